@@ -1,0 +1,395 @@
+"""jax.Array <-> (meta, host buffers): the faithful encoding every transport builds on.
+
+``encode(x)`` returns a small picklable :class:`ArrayMeta` and a list of C-contiguous host
+``numpy.ndarray`` views, one per *unique* shard (a fully replicated array ships one buffer, a
+sharded one ships each distinct shard once). On CPU the views alias the device buffers: encoding
+copies nothing.
+
+``decode(meta, buffers, placement)`` re-materializes on the receiver:
+
+- ``"device"`` (default): like JAX's own unpickling, on the receiver's default device,
+  uncommitted. A single-buffer array on a CPU receiver aliases the host buffer when it is
+  64-byte aligned (``jax.device_put`` does not copy then); see Note [aliasing].
+- ``"host"``: a ``numpy.ndarray`` view of the buffer (typed PRNG keys cannot be numpy arrays:
+  they come back as key arrays on the host CPU device).
+- ``"preserve"``: the same sharding (NamedSharding: mesh shape, axis names, device ids,
+  PartitionSpec, memory kind; SingleDeviceSharding: device id) when the receiver has those
+  devices; otherwise ``"device"`` with a :class:`PlacementFallbackWarning` saying why.
+
+Preserved bit-exactly: every dtype (bytes are moved, never converted), 0-d and zero-size shapes,
+``weak_type``, typed PRNG keys (impl by name).
+
+Note [aliasing]: ``jax.device_put(ndarray)`` on CPU aliases a 64-byte-aligned host buffer,
+writeable or not (jax-ml/jax#37830), and keeps the ndarray alive for as long as the device
+buffer lives. So the decoded array keeps whatever owns ``buffers`` alive (a pickle's out-of-band
+buffer, a Ray object-store buffer, a shared-memory slot) and sees writes to it: callers that
+recycle memory must wait until the array (and anything derived from it) is gone.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from ._errors import (
+    ArrayDeletedError,
+    DtypeUnavailableError,
+    PlacementError,
+    UnsupportedArrayError,
+)
+
+__all__ = [
+    "PLACEMENTS",
+    "ArrayMeta",
+    "PlacementFallbackWarning",
+    "encode",
+    "decode",
+    "is_jax_array",
+    "check_placement",
+    "nbytes",
+]
+
+PLACEMENTS = ("device", "host", "preserve")
+FORMAT_VERSION = 1
+
+
+class PlacementFallbackWarning(UserWarning):
+    """``placement="preserve"`` could not rebuild the sender's sharding on this receiver."""
+
+
+class ArrayMeta(NamedTuple):
+    """Everything but the bytes. Small, picklable, stable (a plain tuple on the wire)."""
+
+    version: int
+    dtype: str  # jnp dtype name of the shipped data ("uint32" for PRNG key data)
+    shape: tuple  # global shape of the shipped data
+    weak_type: bool
+    prng_impl: str | None  # typed PRNG key implementation name, None for plain arrays
+    sharding: tuple | None  # see _encode_sharding
+    indices: tuple  # per buffer: ((start, stop), ...) into ``shape``; () = the whole array
+
+
+def check_placement(placement: str) -> str:
+    if placement not in PLACEMENTS:
+        raise PlacementError(
+            f"Unknown placement {placement!r}: use one of {', '.join(map(repr, PLACEMENTS))} "
+            "('device': the receiver's default device; 'host': numpy arrays; 'preserve': the "
+            "sender's sharding when the receiver has those devices)."
+        )
+    return placement
+
+
+_CONCRETE_TYPES: tuple[type, ...] | None = None
+
+
+def concrete_array_types() -> tuple[type, ...]:
+    """The exact classes of concrete JAX arrays (``jax.Array`` itself is abstract)."""
+    global _CONCRETE_TYPES
+    if _CONCRETE_TYPES is None:
+        from jax._src.array import ArrayImpl
+
+        types_: list[type] = [ArrayImpl]
+        try:
+            from jax._src.prng import PRNGKeyArray  # type: ignore
+        except ImportError:
+            from jax._src.random.prng import PRNGKeyArray  # type: ignore
+        types_.append(PRNGKeyArray)
+        _CONCRETE_TYPES = tuple(types_)
+    return _CONCRETE_TYPES
+
+
+def is_jax_array(x: Any) -> bool:
+    """True for concrete jax arrays (not Tracers, which also pass ``isinstance(x, jax.Array)``)."""
+    return type(x) in concrete_array_types()
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def nbytes(meta: ArrayMeta) -> int:
+    """Bytes the buffers of ``meta`` hold together."""
+    itemsize = np.dtype(_np_dtype(meta.dtype)).itemsize
+    if not meta.indices:
+        return math.prod(meta.shape) * itemsize
+    return sum(math.prod(b - a for a, b in idx) * itemsize for idx in meta.indices)
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+
+
+def _check_alive(x: Any) -> None:
+    if x.is_deleted():
+        raise ArrayDeletedError(
+            f"Cannot transport a jax.Array of shape {x.shape} and dtype {x.dtype}: it was deleted "
+            "or donated (x.delete(), or passed to a jit function with donate_argnums / "
+            "donate_argnames), so its buffer no longer exists. Send the array before donating "
+            "it, or send the result of the call that consumed it."
+        )
+
+
+def _norm_index(index: tuple, shape: tuple) -> tuple:
+    out = []
+    for sl, dim in zip(index, shape):
+        start, stop, step = sl.indices(dim)
+        if step != 1:  # pragma: no cover - JAX shards are contiguous ranges
+            raise UnsupportedArrayError(f"Shard index with step {step} is not supported")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _encode_sharding(sharding: Any) -> tuple | None:
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+
+    memory_kind = getattr(sharding, "memory_kind", None)
+    if isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return ("single", device.platform, device.id, memory_kind)
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        devices = np.asarray(mesh.devices)
+        ids = tuple(int(d.id) for d in devices.flat)
+        platform = devices.flat[0].platform
+        axis_types = getattr(mesh, "axis_types", None)
+        return (
+            "named",
+            platform,
+            tuple(devices.shape),
+            tuple(mesh.axis_names),
+            ids,
+            sharding.spec,
+            memory_kind,
+            axis_types,
+        )
+    return ("other", repr(sharding))
+
+
+def encode(x: Any) -> tuple[ArrayMeta, list[np.ndarray]]:
+    """Split a concrete jax.Array into (meta, host buffers). Copies nothing on CPU.
+
+    Raises ArrayDeletedError for deleted or donated arrays and UnsupportedArrayError for arrays
+    whose shards live on other processes' devices.
+    """
+    _check_alive(x)
+    prng_impl = None
+    if _is_key(x):
+        prng_impl = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+    if not x.is_fully_addressable:
+        raise UnsupportedArrayError(
+            f"Cannot transport a jax.Array of shape {x.shape} spanning devices of other "
+            "processes (multi-controller JAX): only this process's shards are reachable. Send "
+            "x.addressable_shards' data, or gather it first with "
+            "jax.experimental.multihost_utils.process_allgather."
+        )
+    sharding_meta = _encode_sharding(x.sharding)
+    if x.is_fully_replicated:
+        buffers = [np.asarray(x)]
+        indices: tuple = ()
+    else:
+        seen: dict[tuple, np.ndarray] = {}
+        for shard in x.addressable_shards:
+            idx = _norm_index(shard.index, x.shape)
+            if idx not in seen:
+                seen[idx] = np.asarray(shard.data)
+        indices = tuple(seen)
+        buffers = list(seen.values())
+    buffers = [b if b.flags.c_contiguous else np.ascontiguousarray(b) for b in buffers]
+    meta = ArrayMeta(
+        FORMAT_VERSION,
+        str(x.dtype),
+        tuple(x.shape),
+        bool(x.weak_type),
+        prng_impl,
+        sharding_meta,
+        indices,
+    )
+    return meta, buffers
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import jax.numpy as jnp
+
+    try:
+        return np.dtype(jnp.dtype(name))
+    except TypeError as e:
+        raise DtypeUnavailableError(
+            f"This process's JAX/ml_dtypes does not know dtype {name!r} (sent by the peer). "
+            "Install the same jax and ml_dtypes versions on both sides."
+        ) from e
+
+
+def _check_x64(dtype: np.dtype, placement: str) -> None:
+    if placement == "host" or dtype.itemsize < 8 or dtype.kind not in "iufc":
+        return
+    if dtype.kind == "c" and dtype.itemsize < 16:
+        return
+    if not jax.config.jax_enable_x64:
+        raise DtypeUnavailableError(
+            f"Received a {dtype} array but this process has 64-bit types disabled, so JAX would "
+            "silently truncate it. Fix: enable them before any JAX computation "
+            "(jax.config.update('jax_enable_x64', True) or JAX_ENABLE_X64=1), or receive with "
+            "placement='host' to get the exact numpy array."
+        )
+
+
+def _typed(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    if isinstance(buf, np.ndarray) and buf.dtype == dtype and buf.shape == shape:
+        return buf
+    count = math.prod(shape)
+    raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    need = count * dtype.itemsize
+    if raw.nbytes != need:
+        raise UnsupportedArrayError(
+            f"Corrupt transfer: a {dtype} buffer of shape {shape} needs {need} bytes but "
+            f"{raw.nbytes} arrived."
+        )
+    return raw.view(dtype).reshape(shape)
+
+
+def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype) -> np.ndarray:
+    """The whole array as one host ndarray; a view when a single buffer covers it."""
+    if not meta.indices:
+        if len(buffers) != 1:
+            raise UnsupportedArrayError(f"Corrupt transfer: expected 1 buffer, got {len(buffers)}")
+        return _typed(buffers[0], dtype, meta.shape)
+    if len(buffers) != len(meta.indices):
+        raise UnsupportedArrayError(
+            f"Corrupt transfer: expected {len(meta.indices)} shard buffers, got {len(buffers)}"
+        )
+    out = np.empty(meta.shape, dtype)
+    for idx, buf in zip(meta.indices, buffers):
+        shard_shape = tuple(b - a for a, b in idx)
+        out[tuple(slice(a, b) for a, b in idx)] = _typed(buf, dtype, shard_shape)
+    return out
+
+
+def _devices_by_id(platform: str) -> dict[int, Any]:
+    try:
+        return {d.id: d for d in jax.devices(platform)}
+    except RuntimeError:
+        return {}
+
+
+def _fallback(reason: str) -> None:
+    warnings.warn(
+        f"jaxtransport: placement='preserve' fell back to placement='device': {reason}",
+        PlacementFallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _rebuild_sharding(sharding_meta: tuple | None) -> Any | None:
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+    if sharding_meta is None:
+        return None
+    kind = sharding_meta[0]
+    if kind == "single":
+        _, platform, dev_id, memory_kind = sharding_meta
+        device = _devices_by_id(platform).get(dev_id)
+        if device is None:
+            _fallback(f"this process has no {platform} device with id {dev_id}.")
+            return None
+        try:
+            return SingleDeviceSharding(device, memory_kind=memory_kind)
+        except Exception as e:  # memory kind unknown here
+            _fallback(f"cannot place on {device} with memory kind {memory_kind!r}: {e}")
+            return None
+    if kind == "named":
+        _, platform, mesh_shape, axis_names, ids, spec, memory_kind, axis_types = sharding_meta
+        available = _devices_by_id(platform)
+        missing = [i for i in ids if i not in available]
+        if missing:
+            _fallback(
+                f"the sender's mesh {dict(zip(axis_names, mesh_shape))} uses {platform} devices "
+                f"{list(ids)} but this process lacks ids {missing} (it has "
+                f"{sorted(available)})."
+            )
+            return None
+        devices = np.array([available[i] for i in ids], dtype=object).reshape(mesh_shape)
+        try:
+            if axis_types is not None:
+                mesh = Mesh(devices, axis_names, axis_types=axis_types)
+            else:
+                mesh = Mesh(devices, axis_names)
+            return NamedSharding(mesh, spec, memory_kind=memory_kind)
+        except Exception as e:
+            _fallback(f"cannot rebuild NamedSharding(spec={spec}, memory_kind={memory_kind!r}): {e}")
+            return None
+    _fallback(f"sharding {sharding_meta[1]} is not a NamedSharding or SingleDeviceSharding.")
+    return None
+
+
+def _set_weak_type(x: Any, weak_type: bool) -> Any:
+    if weak_type and not x.weak_type:
+        # What JAX's own unpickling does (jax/_src/array.py: _reconstruct_array).
+        x.aval = x.aval.update(weak_type=True)
+    return x
+
+
+def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, sharding: Any):
+    index_map = sharding.addressable_devices_indices_map(meta.shape)
+    by_index: dict[tuple, np.ndarray] = {}
+    if not meta.indices:
+        whole = _typed(buffers[0], dtype, meta.shape)
+    else:
+        whole = None
+        for idx, buf in zip(meta.indices, buffers):
+            by_index[idx] = _typed(buf, dtype, tuple(b - a for a, b in idx))
+    arrays = []
+    for device, index in index_map.items():
+        idx = _norm_index(index, meta.shape)
+        if whole is not None:
+            data = whole[tuple(slice(a, b) for a, b in idx)]
+        elif idx in by_index:
+            data = by_index[idx]
+        else:  # the receiver's sharding differs from the sender's shard layout
+            data = _assemble(meta, buffers, dtype)[tuple(slice(a, b) for a, b in idx)]
+        arrays.append(jax.device_put(data, device))
+    return jax.make_array_from_single_device_arrays(meta.shape, sharding, arrays)
+
+
+def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
+    """Rebuild the array ``encode`` described. See the module docstring for placements.
+
+    Costs: "device" and "host" with one buffer copy nothing on CPU when the buffer is 64-byte
+    aligned (else ``device_put`` copies once); sharded arrays received as "device"/"host" are
+    assembled with one copy; "preserve" places each shard on its device (no copy on CPU when
+    aligned).
+    """
+    if not isinstance(meta, tuple) or len(meta) != len(ArrayMeta._fields) or meta[0] != FORMAT_VERSION:
+        raise UnsupportedArrayError(
+            f"Unsupported jaxtransport array format {meta[0] if isinstance(meta, tuple) and meta else meta!r}: "
+            "sender and receiver run different jaxtransport versions."
+        )
+    meta = ArrayMeta(*meta)
+    dtype = _np_dtype(meta.dtype)
+    _check_x64(dtype, placement)
+    if placement == "host":
+        data = _assemble(meta, buffers, dtype)
+        if meta.prng_impl is None:
+            return data
+        return jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=meta.prng_impl)
+    if placement == "preserve":
+        sharding = _rebuild_sharding(meta.sharding)
+        if sharding is not None:
+            out = _set_weak_type(_decode_preserved(meta, buffers, dtype, sharding), meta.weak_type)
+            if meta.prng_impl is not None:
+                out = jax.random.wrap_key_data(out, impl=meta.prng_impl)
+            return out
+    elif placement != "device":
+        check_placement(placement)
+    out = _set_weak_type(jax.device_put(_assemble(meta, buffers, dtype)), meta.weak_type)
+    if meta.prng_impl is not None:
+        out = jax.random.wrap_key_data(out, impl=meta.prng_impl)
+    return out

@@ -1,0 +1,93 @@
+"""Every error type jaxtransport raises, in one place.
+
+Each class subclasses the nearest builtin (or JAX) error so that existing handlers keep working,
+and each one pickles: errors cross process boundaries (a worker's error is re-raised in the
+parent), so every class defines ``__reduce__`` over its constructor arguments.
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = [
+    "TracerTransportError",
+    "TransportError",
+    "ArrayDeletedError",
+    "UnsupportedArrayError",
+    "DtypeUnavailableError",
+    "PlacementError",
+]
+
+
+class TracerTransportError(jax.errors.ConcretizationTypeError):
+    """A traced value (a JAX ``Tracer``) was about to leave its process.
+
+    Tracers are abstract placeholders that exist only while ``jit``, ``grad``, ``vmap``, ``scan``,
+    ``shard_map`` ... trace a function; they have no value to send. Subclasses
+    ``jax.errors.ConcretizationTypeError`` so that ``except ConcretizationTypeError`` still
+    catches it. The message names the tracer's shape and dtype, the transformation being
+    traced, where in the user's data it sits (``path``) and the fixes.
+
+    Attributes:
+      path: the key path of the tracer inside the object that was being sent (for example
+        ``"args[0]['params']['w']"``), or ``None`` when it is not known.
+      description: shape/dtype/transformation summary of the tracer.
+    """
+
+    def __init__(self, description: str, path: str | None = None, *, where: str | None = None):
+        self.description = description
+        self.path = path
+        self.where = where
+        located = f" at {path}" if path else ""
+        via = f" ({where})" if where else ""
+        hint_path = (
+            ""
+            if path
+            else "\nTo find where it sits in your data, call jaxtransport.check_transportable(obj)."
+        )
+        message = (
+            f"Cowardly refusing to transport a traced value{located}{via}: {description}.\n"
+            "A Tracer only exists while a JAX transformation traces a function; it has no "
+            "concrete value that another process could receive.\n"
+            "Fix: return the concrete result from the transformed function and send it from "
+            "outside (after jit/grad/vmap/... has returned), or call out of the traced "
+            "function with jax.experimental.io_callback (or jax.debug.callback for side "
+            f"effects only), which receives concrete arrays.{hint_path}"
+        )
+        # Bypass ConcretizationTypeError.__init__ (which wants a live tracer); point at the
+        # JAX error page of the class users know.
+        TypeError.__init__(
+            self,
+            f"{message}\nSee https://docs.jax.dev/en/latest/errors.html"
+            "#jax.errors.ConcretizationTypeError",
+        )
+
+    def __reduce__(self):
+        return (_rebuild_tracer_error, (self.description, self.path, self.where))
+
+
+def _rebuild_tracer_error(description, path, where):
+    return TracerTransportError(description, path, where=where)
+
+
+class TransportError(RuntimeError):
+    """Base class for jaxtransport's runtime errors (not for tracers, see above)."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class ArrayDeletedError(TransportError):
+    """The array was deleted (``x.delete()``) or donated to a jitted call before being sent."""
+
+
+class UnsupportedArrayError(TransportError, TypeError):
+    """An array that cannot be transported (for example one spanning other hosts' devices)."""
+
+
+class DtypeUnavailableError(TransportError, TypeError):
+    """The receiver cannot represent the dtype bit-exactly (e.g. float64 with x64 disabled)."""
+
+
+class PlacementError(TransportError, ValueError):
+    """An unknown placement policy was requested."""

@@ -1,0 +1,183 @@
+"""Reducers for concrete JAX arrays and Tracers; ``register``/``unregister``; ``dumps``/``loads``.
+
+The wire form of an array is ``_rebuild_array(meta, *raw)`` where ``meta`` is a plain tuple
+(see ``_codec.ArrayMeta``) and each ``raw`` is a flat ``uint8`` ``numpy.ndarray`` view of one
+host buffer. Numpy pickles such an array under protocol 5 as a ``PickleBuffer``, so every
+transport that passes a ``buffer_callback`` (``dumps`` below, Ray, Dask, your socket code) ships
+the bytes out-of-band without copying them; protocol < 5 still works, in-band.
+
+``_rebuild_array``'s import path is written into every pickle: keep it stable.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copyreg
+import io
+import pickle
+import threading
+from typing import Any, Callable
+
+import cloudpickle
+import numpy as np
+
+from . import _codec
+from ._errors import TracerTransportError
+from ._tracers import Tracer, find_tracer, tracer_error, tracer_types
+
+__all__ = [
+    "register",
+    "unregister",
+    "is_registered",
+    "dumps",
+    "loads",
+    "current_placement",
+]
+
+# The process default placement, set by register(); loads(placement=...) overrides it for the
+# duration of one call (per thread/context).
+_default_placement = "device"
+_placement_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxtransport_placement", default=None
+)
+
+_lock = threading.Lock()
+_MISSING = object()
+# type -> what copyreg.dispatch_table held for it before register() (or _MISSING)
+_saved: dict[type, Any] = {}
+
+
+def current_placement() -> str:
+    return _placement_override.get() or _default_placement
+
+
+# --------------------------------------------------------------------------------------------
+# reducers (top-level functions: their import paths are part of the wire format)
+
+
+def _raw(buf: np.ndarray) -> np.ndarray:
+    return buf.reshape(-1).view(np.uint8)
+
+
+def _reduce_array(x: Any):
+    """copyreg reducer for ArrayImpl and PRNGKeyArray: out-of-band capable, sharding-aware."""
+    meta, buffers = _codec.encode(x)
+    return _rebuild_array, (tuple(meta), *[_raw(b) for b in buffers])
+
+
+def _rebuild_array(meta: tuple, *raw: Any) -> Any:
+    return _codec.decode(meta, raw, current_placement())
+
+
+def _reduce_tracer(t: Any):
+    raise tracer_error(t, where="while pickling")
+
+
+# --------------------------------------------------------------------------------------------
+# global registration
+
+
+def register(placement: str = "device") -> None:
+    """Make pickle, cloudpickle and multiprocessing use jaxtransport for JAX arrays.
+
+    Installs reducers in ``copyreg.dispatch_table`` (which ``pickle``, ``cloudpickle``,
+    multiprocessing's ``ForkingPickler`` and Ray's pickler all consult) for every concrete JAX
+    array type, and a refusing reducer for every Tracer type defined now. ``placement`` is how
+    this process materializes arrays it unpickles ("device", "host" or "preserve").
+    Idempotent: calling it again only updates the placement. Undo with :func:`unregister`.
+    """
+    global _default_placement
+    _codec.check_placement(placement)
+    with _lock:
+        _default_placement = placement
+        table = copyreg.dispatch_table
+        entries: list[tuple[type, Callable]] = [(t, _reduce_array) for t in _codec.concrete_array_types()]
+        entries += [(t, _reduce_tracer) for t in tracer_types()]
+        for cls, reducer in entries:
+            if cls not in _saved:
+                _saved[cls] = table.get(cls, _MISSING)
+            table[cls] = reducer
+
+
+def unregister() -> None:
+    """Undo :func:`register`: restore exactly what ``copyreg.dispatch_table`` held before."""
+    global _default_placement
+    with _lock:
+        table = copyreg.dispatch_table
+        for cls, previous in _saved.items():
+            if previous is _MISSING:
+                table.pop(cls, None)
+            else:
+                table[cls] = previous
+        _saved.clear()
+        _default_placement = "device"
+
+
+def is_registered() -> bool:
+    return bool(_saved)
+
+
+# --------------------------------------------------------------------------------------------
+# dumps / loads
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle (lambdas, closures, ``__main__`` code) + jaxtransport's reducers, without
+    touching any global table."""
+
+    _array_types = None
+
+    def reducer_override(self, obj):
+        cls = type(obj)
+        if cls in _codec.concrete_array_types():
+            return _reduce_array(obj)
+        if isinstance(obj, Tracer):
+            raise tracer_error(obj, where="while pickling")
+        return super().reducer_override(obj)
+
+
+def _with_path(err: TracerTransportError, obj: Any, root: str) -> TracerTransportError:
+    if err.path is not None:
+        return err
+    found = find_tracer(obj, root)
+    if found is None:
+        return err
+    return TracerTransportError(err.description, found[0] or "<root>", where=err.where)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """Pickle ``obj`` (protocol 5, cloudpickle) with array data out-of-band.
+
+    Returns ``(data, buffers)``: ``data`` holds the object graph and array metadata only;
+    ``buffers`` are read-only memoryviews of the arrays' host memory (on CPU, the device buffers
+    themselves: nothing is copied). Send both; rebuild with ``loads(data, buffers)``. The
+    buffers keep the arrays alive until they are released.
+
+    Raises TracerTransportError (with the tracer's key path) if ``obj`` holds a Tracer.
+    """
+    buffers: list[memoryview] = []
+
+    def callback(pb: pickle.PickleBuffer) -> bool:
+        buffers.append(pb.raw())
+        return False  # out-of-band
+
+    f = io.BytesIO()
+    try:
+        _Pickler(f, protocol=5, buffer_callback=callback).dump(obj)
+    except TracerTransportError as e:
+        raise _with_path(e, obj, "") from None
+    return f.getvalue(), buffers
+
+
+def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> Any:
+    """Rebuild what :func:`dumps` produced.
+
+    ``placement`` ("device", "host", "preserve") defaults to the one given to ``register()``,
+    else "device". On CPU the arrays alias ``buffers`` where they are 64-byte aligned (no
+    copy): do not modify or reuse those buffers while the arrays live.
+    """
+    token = _placement_override.set(_codec.check_placement(placement) if placement else None)
+    try:
+        return pickle.loads(data, buffers=buffers)
+    finally:
+        _placement_override.reset(token)

@@ -1,0 +1,96 @@
+"""Shared fixtures: OS-level leak checks after every test, helpers for fresh interpreters.
+
+Leak check (torch's test_multiprocessing habit): after each test no new entry may remain in
+/dev/shm and no child process of the test process may survive. Tests marked ``ray`` share a
+session-scoped Ray cluster whose processes outlive single tests, so they are exempt from the
+child-process half of the check.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+SHM = "/dev/shm"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return {e for e in os.listdir(SHM) if not e.startswith(("sem.", "."))}
+    except FileNotFoundError:
+        return set()
+
+
+def child_pids(parent: int | None = None) -> set[int]:
+    """Live (non-zombie-reaped) children of ``parent`` read from /proc."""
+    parent = os.getpid() if parent is None else parent
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            out.add(int(entry))
+    return out
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    before_shm = shm_entries()
+    check_children = request.node.get_closest_marker("ray") is None
+    before_children = child_pids() if check_children else set()
+    yield
+    # Give finalizers and exiting children a moment, then insist.
+    import gc
+
+    gc.collect()
+    leaked_shm: set[str] = set()
+
+    def shm_clean():
+        nonlocal leaked_shm
+        leaked_shm = shm_entries() - before_shm
+        return not leaked_shm
+
+    assert wait_until(shm_clean, 10), f"test leaked /dev/shm entries: {sorted(leaked_shm)}"
+    if check_children:
+        leaked: set[int] = set()
+
+        def children_gone():
+            nonlocal leaked
+            leaked = child_pids() - before_children
+            return not leaked
+
+        assert wait_until(children_gone, 15), f"test left child processes alive: {sorted(leaked)}"
+
+
+def run_python(code: str, *, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (the real cross-process check)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    if env:
+        full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
