@@ -1,10 +1,13 @@
 """Reducers for concrete JAX arrays and Tracers; ``register``/``unregister``; ``dumps``/``loads``.
 
 The wire form of an array is ``_rebuild_array(meta, *raw)`` where ``meta`` is a plain tuple
-(see ``_codec.ArrayMeta``) and each ``raw`` is a flat ``uint8`` ``numpy.ndarray`` view of one
-host buffer. Numpy pickles such an array under protocol 5 as a ``PickleBuffer``, so every
-transport that passes a ``buffer_callback`` (``dumps`` below, Ray, Dask, your socket code) ships
-the bytes out-of-band without copying them; protocol < 5 still works, in-band.
+(see ``_codec.ArrayMeta``) and each ``raw`` is one host buffer. Under protocol 5 a buffer is
+pickled as a ``PickleBuffer``, so every transport that passes a ``buffer_callback`` (``dumps``
+below, Ray, Dask, your socket code) ships the bytes out-of-band without copying them; under
+protocol < 5 it travels in-band as ``bytes``. The receiver gets whatever buffer object the
+transport hands back (PickleBuffer, memoryview, bytes, bytearray) and the codec validates its
+size. The format does not depend on numpy's own pickling (whose module paths differ between
+numpy 1 and 2).
 
 ``_rebuild_array``'s import path is written into every pickle: keep it stable.
 """
@@ -55,8 +58,26 @@ def current_placement() -> str:
 # reducers (top-level functions: their import paths are part of the wire format)
 
 
-def _raw(buf: np.ndarray) -> np.ndarray:
-    return buf.reshape(-1).view(np.uint8)
+class _Raw:
+    """One host buffer on its way out: out-of-band under protocol 5, in-band bytes below."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __reduce_ex__(self, protocol):
+        if protocol >= 5:
+            return _buffer, (pickle.PickleBuffer(self.array),)
+        return _buffer, (self.array.tobytes(),)
+
+
+def _buffer(buf: Any) -> Any:
+    return buf
+
+
+def _raw(buf: np.ndarray) -> _Raw:
+    return _Raw(buf.reshape(-1).view(np.uint8))
 
 
 def _reduce_array(x: Any):

@@ -43,6 +43,22 @@ def child_pids(parent: int | None = None) -> set[int]:
     return out
 
 
+def _service_pids() -> set[int]:
+    """Process-wide helpers multiprocessing starts once and keeps by design (not leaks):
+    the resource tracker (semaphores of spawn-context queues) and the forkserver."""
+    pids = set()
+    try:
+        from multiprocessing import forkserver, resource_tracker
+
+        for obj in (resource_tracker._resource_tracker, forkserver._forkserver):
+            pid = getattr(obj, "_pid", None) or getattr(obj, "_forkserver_pid", None)
+            if pid:
+                pids.add(pid)
+    except Exception:
+        pass
+    return pids
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +91,7 @@ def no_leaks(request):
 
         def children_gone():
             nonlocal leaked
-            leaked = child_pids() - before_children
+            leaked = child_pids() - before_children - _service_pids()
             return not leaked
 
         assert wait_until(children_gone, 15), f"test left child processes alive: {sorted(leaked)}"
