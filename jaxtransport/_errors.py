@@ -16,6 +16,12 @@ __all__ = [
     "UnsupportedArrayError",
     "DtypeUnavailableError",
     "PlacementError",
+    "WorkerLostError",
+    "PoolStateError",
+    "PoolTerminatedError",
+    "ShmCapacityError",
+    "ShmHandleError",
+    "RemoteTraceback",
 ]
 
 
@@ -91,3 +97,61 @@ class DtypeUnavailableError(TransportError, TypeError):
 
 class PlacementError(TransportError, ValueError):
     """An unknown placement policy was requested."""
+
+
+# --------------------------------------------------------------------------------------------
+# jaxtransport.Pool and its shared memory
+
+
+def _broken_process_pool() -> type:
+    from concurrent.futures.process import BrokenProcessPool
+
+    return BrokenProcessPool
+
+
+class WorkerLostError(TransportError, _broken_process_pool()):
+    """A pool worker died (SIGKILL, the OOM killer, ``os._exit``, a segfault) while it ran a task.
+
+    Raised by the pending call instead of hanging (what ``multiprocessing.Pool`` does,
+    python/cpython#66587). Subclasses ``concurrent.futures.process.BrokenProcessPool`` so that
+    code written for ``ProcessPoolExecutor`` catches it too. The pool replaces the worker and
+    keeps running other tasks; if workers keep dying before they are ready (a crashing
+    initializer, a broken environment) the pool reports itself broken with this error.
+    """
+
+
+class PoolStateError(TransportError, ValueError):
+    """A Pool was used after ``close()``/``terminate()``, or a pool object was misused (``join``
+    before ``close``, a SharedTree of another pool or already released). Subclasses ValueError
+    like ``multiprocessing.Pool``'s "Pool not running"."""
+
+
+class PoolTerminatedError(TransportError):
+    """The pool was terminated (``terminate()``, leaving a ``with`` block, garbage collection or
+    interpreter exit) before this task's result arrived."""
+
+
+class ShmCapacityError(TransportError, MemoryError):
+    """Shared memory for a transfer could not be reserved: the pool's ``shm_capacity`` is reached
+    by arrays still alive in the receivers, or the system is out of memory. The message names
+    the bytes needed, the bytes in use and free, and the fixes."""
+
+
+class ShmHandleError(TransportError, ValueError):
+    """A shared-memory handle that cannot be honoured arrived: it names a segment this process
+    never received or that was freed, or it points outside its segment (truncated or out of
+    bounds). Only the task that carried it fails."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+    def __reduce__(self):
+        return (RemoteTraceback, (self.tb,))
