@@ -346,6 +346,9 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
         whole = None
         for idx, buf in zip(meta.indices, buffers):
             by_index[idx] = _typed(buf, dtype, tuple(b - a for a, b in idx))
+    from jax.sharding import SingleDeviceSharding
+
+    memory_kind = getattr(sharding, "memory_kind", None)
     arrays = []
     for device, index in index_map.items():
         idx = _norm_index(index, meta.shape)
@@ -355,7 +358,7 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
             data = by_index[idx]
         else:  # the receiver's sharding differs from the sender's shard layout
             data = _assemble(meta, buffers, dtype)[tuple(slice(a, b) for a, b in idx)]
-        arrays.append(jax.device_put(data, device))
+        arrays.append(jax.device_put(data, SingleDeviceSharding(device, memory_kind=memory_kind)))
     return jax.make_array_from_single_device_arrays(meta.shape, sharding, arrays)
 
 
