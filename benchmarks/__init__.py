@@ -1,0 +1,1 @@
+"""jaxtransport benchmarks: `python -m benchmarks [--quick]` runs them all."""
