@@ -28,6 +28,7 @@ recycle memory must wait until the array (and anything derived from it) is gone.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, NamedTuple, Sequence
@@ -216,6 +217,7 @@ def encode(x: Any) -> tuple[ArrayMeta, list[np.ndarray]]:
 # decode
 
 
+@functools.lru_cache(maxsize=None)
 def _np_dtype(name: str) -> np.dtype:
     import jax.numpy as jnp
 
