@@ -135,3 +135,39 @@ def test_preserve_falls_back_with_one_warning_when_devices_are_missing(sender):
         assert len(r["warnings"]) == 1, (name, r["warnings"])
         assert "fell back to placement='device'" in r["warnings"][0]
         assert "lacks ids" in r["warnings"][0] or "no cpu device with id 3" in r["warnings"][0]
+
+
+SHARD_MAP_TRACER = r"""
+import json, pickle
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import jaxtransport as jt
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+seen = {}
+def body(block):
+    for how, send in (("check", lambda: jt.check_transportable({"obs": [block]}, root="args[0]")),
+                      ("dumps", lambda: jt.dumps({"obs": [block]})),
+                      ("pickle", lambda: pickle.dumps(block))):
+        try:
+            send()
+        except jax.errors.ConcretizationTypeError as e:
+            seen[how] = dict(type=type(e).__name__, path=getattr(e, "path", None), msg=str(e))
+    return block * 2
+jt.register()
+out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y")))(jnp.ones((4, 8)))
+jt.unregister()
+print(json.dumps(dict(seen=seen, ok=bool((out == 2).all()))))
+"""
+
+
+def test_tracer_error_under_multi_device_shard_map():
+    proc = run_python(SHARD_MAP_TRACER, env=EIGHT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"]
+    seen = report["seen"]
+    assert seen["check"]["type"] == seen["dumps"]["type"] == seen["pickle"]["type"] == "TracerTransportError"
+    assert seen["check"]["path"] == "args[0]['obs'][0]"
+    assert seen["dumps"]["path"] == "['obs'][0]"
+    assert "f32[2,2]" in seen["check"]["msg"]
+    assert "shard_map" in seen["check"]["msg"] or "jit" in seen["check"]["msg"]
