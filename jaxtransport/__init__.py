@@ -18,6 +18,8 @@ from ._pickling import loads as loads
 from ._pickling import register as register
 from ._pickling import unregister as unregister
 from ._tracers import check_transportable as check_transportable
+from .pool import Pool as Pool
+from .pool import SharedTree as SharedTree
 
 __version__ = "0.1.0"
 
@@ -27,6 +29,8 @@ __all__ = [
     "DtypeUnavailableError",
     "PlacementError",
     "PlacementFallbackWarning",
+    "Pool",
+    "SharedTree",
     "TracerTransportError",
     "TransportError",
     "UnsupportedArrayError",

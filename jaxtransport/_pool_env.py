@@ -1,0 +1,62 @@
+"""The environment each Pool worker starts with (set before JAX initialises there)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["gpu_ids", "worker_env"]
+
+
+def gpu_ids() -> list[str]:
+    """The NVIDIA GPUs this process may use, without starting a JAX backend (which would take
+    GPU memory in the parent): ``CUDA_VISIBLE_DEVICES`` if set, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        n = len([e for e in os.listdir("/proc/driver/nvidia/gpus")])
+    except OSError:
+        return []
+    return [str(i) for i in range(n)]
+
+
+def _parent_platforms() -> str | None:
+    value = os.environ.get("JAX_PLATFORMS")
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            configured = jax.config.jax_platforms
+            if configured:
+                value = configured
+        except AttributeError:
+            pass
+    return value
+
+
+def worker_env(
+    index: int,
+    *,
+    devices_per_worker: int | None,
+    overrides: dict | None,
+    gpus: list[str] | None = None,
+) -> dict:
+    """Variables for worker ``index``: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's
+    ``JAX_PLATFORMS``, and on multi-GPU hosts a round-robin ``CUDA_VISIBLE_DEVICES`` of
+    ``devices_per_worker`` GPUs (default 1); ``overrides`` win (a value of None unsets)."""
+    env: dict[str, str | None] = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    platforms = _parent_platforms()
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    gpus = gpu_ids() if gpus is None else gpus
+    on_cpu_only = platforms is not None and platforms.strip().lower() == "cpu"
+    if len(gpus) > 1 and not on_cpu_only:
+        per = devices_per_worker or 1
+        if per < 1:
+            raise ValueError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[(index * per + k) % len(gpus)] for k in range(min(per, len(gpus))))
+    elif devices_per_worker is not None and devices_per_worker < 1:
+        raise ValueError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
+    if overrides:
+        env.update({str(k): (None if v is None else str(v)) for k, v in overrides.items()})
+    return env

@@ -1,0 +1,168 @@
+"""Result objects of jaxtransport.Pool, with multiprocessing.pool's semantics.
+
+``AsyncResult`` (``apply_async``), ``MapResult`` (``map_async``/``starmap_async``) and
+``IMapIterator`` (``imap``/``imap_unordered``). Each is completed by the pool's manager thread
+through ``_chunk_done(chunk_index, ok, value)`` where ``value`` is the list of a chunk's results
+or an exception. Callbacks run in the manager thread (as in multiprocessing); one that raises is
+reported on stderr and does not disturb the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import sys
+import threading
+import traceback
+
+__all__ = ["AsyncResult", "MapResult", "IMapIterator"]
+
+
+def _call_quietly(fn, arg) -> None:
+    try:
+        fn(arg)
+    except BaseException:  # noqa: BLE001
+        print("jaxtransport.Pool: exception in a result callback:", file=sys.stderr)
+        traceback.print_exc()
+
+
+class AsyncResult:
+    """The result of ``apply_async`` (multiprocessing.pool.AsyncResult's API)."""
+
+    def __init__(self, keepalive, callback=None, error_callback=None):
+        self._event = threading.Event()
+        self._callback = callback
+        self._error_callback = error_callback
+        self._keepalive = keepalive  # the Pool, until the result is in (as multiprocessing)
+        self._ok = None
+        self._value = None
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return self._ok
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.wait(timeout)
+
+    def get(self, timeout: float | None = None):
+        """The value, or raise the task's exception (its ``__cause__`` is the remote traceback).
+        Raises multiprocessing.TimeoutError when ``timeout`` passes first."""
+        self.wait(timeout)
+        if not self.ready():
+            raise multiprocessing.TimeoutError
+        if self._ok:
+            return self._value
+        raise self._value
+
+    def _set(self, ok: bool, value) -> None:
+        if self._event.is_set():
+            return
+        self._ok, self._value = ok, value
+        if ok and self._callback is not None:
+            _call_quietly(self._callback, value)
+        if not ok and self._error_callback is not None:
+            _call_quietly(self._error_callback, value)
+        self._event.set()
+        self._keepalive = None
+
+    def _chunk_done(self, index: int, ok: bool, value) -> None:
+        self._set(ok, value[0] if ok else value)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.ready() else ("done" if self._ok else "failed")
+        return f"<jaxtransport.pool.AsyncResult {state}>"
+
+
+class MapResult(AsyncResult):
+    """The result of ``map_async``/``starmap_async``: a list in input order; the first failing
+    chunk fails the whole result (as multiprocessing)."""
+
+    def __init__(self, keepalive, length: int, chunksize: int, callback=None, error_callback=None):
+        super().__init__(keepalive, callback, error_callback)
+        self._values = [None] * length
+        self._chunksize = chunksize
+        self._left = -(-length // chunksize) if length else 0
+        self._lock = threading.Lock()
+        if not self._left:
+            self._set(True, [])
+
+    def _chunk_done(self, index: int, ok: bool, value) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            if not ok:
+                self._values = None
+                done, result = True, value
+            else:
+                start = index * self._chunksize
+                self._values[start : start + len(value)] = value
+                self._left -= 1
+                done, result = self._left == 0, self._values
+        if done:
+            self._set(ok, result)
+
+
+class IMapIterator:
+    """The iterator of ``imap`` (ordered) / ``imap_unordered``; ``next(timeout)`` as in
+    multiprocessing (raises multiprocessing.TimeoutError)."""
+
+    def __init__(self, keepalive, ordered: bool):
+        self._cond = threading.Condition(threading.Lock())
+        self._ordered = ordered
+        self._ready: dict[int, tuple[bool, object]] = {}
+        self._queue: collections.deque = collections.deque()
+        self._next_chunk = 0
+        self._total_chunks: int | None = None
+        self._yielded_chunks = 0
+        self._keepalive = keepalive
+
+    def __iter__(self):
+        return self
+
+    def _set_length(self, chunks: int) -> None:
+        with self._cond:
+            self._total_chunks = chunks
+            self._cond.notify_all()
+
+    def _chunk_done(self, index: int, ok: bool, value) -> None:
+        with self._cond:
+            if ok:
+                value = collections.deque(value)
+            if self._ordered:
+                self._ready[index] = (ok, value)
+                while self._next_chunk in self._ready:
+                    self._queue.append(self._ready.pop(self._next_chunk))
+                    self._next_chunk += 1
+            else:
+                self._queue.append((ok, value))
+            self._cond.notify_all()
+
+    def next(self, timeout: float | None = None):
+        with self._cond:
+            while True:
+                if self._queue:
+                    ok, value = self._queue[0]
+                    if not ok:
+                        self._queue.popleft()
+                        self._yielded_chunks += 1
+                        raise value
+                    if value:
+                        item = value.popleft()
+                        if not value:
+                            self._queue.popleft()
+                            self._yielded_chunks += 1
+                        return item
+                    self._queue.popleft()
+                    self._yielded_chunks += 1
+                    continue
+                if self._total_chunks is not None and self._yielded_chunks >= self._total_chunks:
+                    self._keepalive = None
+                    raise StopIteration
+                if not self._cond.wait(timeout):
+                    raise multiprocessing.TimeoutError
+
+    __next__ = next

@@ -1,0 +1,297 @@
+"""What travels through a Pool's pipes: cloudpickle with large arrays moved to shared memory.
+
+``encode(obj, ...)`` pickles ``obj`` with cloudpickle (lambdas, closures, ``__main__`` code) and
+jaxtransport's array reducers; every ``jax.Array`` and ``numpy.ndarray`` of at least
+``threshold`` bytes, anywhere in ``obj``, is replaced by a persistent id and listed as an
+*entry*. Only after pickling succeeded (so a Tracer or an unpicklable object fails before any
+shared memory is touched) each entry's bytes are copied once into a slot of the sender's
+:class:`~jaxtransport._shm.Arena`; an entry that already lives in memory received from the peer
+goes back as a ``"ref"`` to the peer's own slot (no copy). ``decode`` rebuilds the object; array
+entries alias the received slot (Note [slot lifetime] in ``_shm``).
+
+Entry forms (plain tuples on the wire):
+- ``("np", dtype, shape, handle)``
+- ``("jax", meta, ((offset, nbytes), ...), handle)`` -- one slot holds all of an array's buffers
+- ``("ref", kind, info, handle)`` -- a slot of the *receiver's* own arena, ``kind`` "np"/"jax"
+- ``("tree", tree_id)`` -- a SharedTree, defined once per worker
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _codec, _pickling
+from ._errors import ShmHandleError, TracerTransportError
+from ._shm import ALIGN, Arena, Mapper
+from ._tracers import find_tracer
+
+__all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
+
+_PICKLE_PROTOCOL = 5
+
+
+class Encoded:
+    """A pickled object plus its shared-memory entries. ``handles`` lists the arena slots it
+    holds (one reference each, owned by the borrower given to ``encode``)."""
+
+    __slots__ = ("data", "entries", "handles", "trees", "segs")
+
+    def __init__(self, data, entries, handles, trees, segs):
+        self.data, self.entries, self.handles, self.trees, self.segs = data, entries, handles, trees, segs
+
+
+class _Encoder(_pickling._Pickler):
+    def __init__(self, file, threshold: int, tree_type: type | None):
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.threshold = threshold
+        self.tree_type = tree_type
+        self.found: list[tuple[str, Any]] = []
+        self._seen: dict[int, int] = {}
+        self.trees: list[Any] = []
+        self.jax_types = _codec.concrete_array_types()
+
+    def persistent_id(self, obj):
+        t = type(obj)
+        if t is np.ndarray:
+            if obj.nbytes < self.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
+                return None
+            kind = "np"
+        elif t is self.tree_type:
+            if id(obj) not in self._seen:
+                self._seen[id(obj)] = len(self.found)
+                self.found.append(("tree", obj))
+                self.trees.append(obj)
+            return self._seen[id(obj)]
+        elif t in self.jax_types:
+            try:
+                nb = obj.nbytes
+            except Exception:
+                return None
+            if nb < self.threshold or nb == 0:
+                return None
+            kind = "jax"
+        else:
+            return None
+        k = self._seen.get(id(obj))
+        if k is None:
+            k = self._seen[id(obj)] = len(self.found)
+            self.found.append((kind, obj))
+        return k
+
+
+def _pointer(obj: Any) -> int | None:
+    try:
+        if type(obj) is np.ndarray:
+            return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
+        return obj.unsafe_buffer_pointer()
+    except Exception:
+        return None
+
+
+class Prepared:
+    """Phase 1 of encoding: the pickle and the large objects it refers to (no shared memory)."""
+
+    __slots__ = ("data", "found", "trees")
+
+    def __init__(self, data, found, trees):
+        self.data, self.found, self.trees = data, found, trees
+
+
+def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None) -> Prepared:
+    """Pickle ``obj``, setting aside arrays of at least ``threshold`` bytes (None: none).
+
+    Raises TracerTransportError (with the key path ``locate()`` finds) or the pickling error,
+    before any shared memory is touched.
+    """
+    buf = io.BytesIO()
+    enc = _Encoder(buf, threshold if threshold is not None else 1 << 62, tree_type)
+    try:
+        enc.dump(obj)
+    except TracerTransportError as e:
+        path = locate() if (locate is not None and e.path is None) else None
+        if path is not None:
+            raise TracerTransportError(e.description, path, where=e.where) from None
+        raise
+    return Prepared(buf.getvalue(), enc.found, enc.trees)
+
+
+def commit(
+    prep: Prepared,
+    *,
+    arena: Arena | None,
+    borrower: Any,
+    wait: Callable | None = None,
+    peer: Mapper | None = None,
+) -> Encoded:
+    """Phase 2: copy each set-aside array once into a slot of ``arena`` (one reference held by
+    ``borrower``), or name the peer's slot when it already lives there. Cost: one memcpy per
+    array. On error, every slot taken so far is released."""
+    entries: list[tuple] = []
+    handles: list[tuple] = []
+    segs: set[int] = set()
+    try:
+        for kind, x in prep.found:
+            if kind == "tree":
+                entries.append(("tree", x._tree_id))
+                continue
+            if peer is not None:
+                entry = _as_ref(kind, x, peer)
+                if entry is not None:
+                    entries.append(entry)
+                    continue
+            if kind == "np":
+                src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+                handle, dst = arena.alloc(src.nbytes, borrower, wait)
+                handles.append(handle)
+                np.copyto(dst, src.reshape(-1).view(np.uint8))
+                entries.append(("np", x.dtype, x.shape, handle))
+            else:
+                meta, bufs = _codec.encode(x)
+                layout, total = [], 0
+                for b in bufs:
+                    layout.append((total, b.nbytes))
+                    total += -(-b.nbytes // ALIGN) * ALIGN
+                handle, dst = arena.alloc(max(total, 1), borrower, wait)
+                handles.append(handle)
+                for (off, n), b in zip(layout, bufs):
+                    np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
+                entries.append(("jax", tuple(meta), tuple(layout), handle))
+            segs.add(handle[0])
+    except BaseException:
+        for h in handles:
+            arena.release(h, borrower)
+        raise
+    return Encoded(prep.data, entries, handles, prep.trees, segs)
+
+
+def encode(obj: Any, *, threshold: int | None, arena: Arena | None, borrower: Any, wait=None, peer=None,
+           tree_type=None, locate=None) -> Encoded:
+    """``commit(prepare(obj))``."""
+    return commit(prepare(obj, threshold=threshold if arena is not None else None, tree_type=tree_type, locate=locate),
+                  arena=arena, borrower=borrower, wait=wait, peer=peer)
+
+
+def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
+    """An entry naming the peer's own slot when ``x`` is exactly a live received slot."""
+    ptr = _pointer(x)
+    if ptr is None:
+        return None
+    try:
+        nb = int(x.nbytes)
+    except Exception:
+        return None
+    h = peer.find(ptr, nb)
+    if h is None:
+        return None
+    if kind == "np":
+        return ("ref", "np", (x.dtype, x.shape), h)
+    try:
+        meta, bufs = _codec.encode(x)
+    except Exception:
+        return None
+    if meta.indices or len(bufs) != 1:
+        return None
+    return ("ref", "jax", tuple(meta), h)
+
+
+class _Decoder(pickle.Unpickler):
+    def __init__(self, file, resolved):
+        super().__init__(file)
+        self.resolved = resolved
+
+    def persistent_load(self, pid):
+        try:
+            return self.resolved[pid]
+        except (IndexError, TypeError):
+            raise ShmHandleError(f"Corrupt message: persistent id {pid!r} names no entry") from None
+
+
+def materialize(
+    entry: tuple,
+    mapper: Mapper,
+    placement: str,
+    own: Callable[[tuple], Any] | None = None,
+    trees: Callable[[int], Any] | None = None,
+    readonly: bool = False,
+) -> Any:
+    """One entry as the object it stands for, aliasing its slot (no copy on CPU)."""
+    kind = entry[0]
+    if kind == "tree":
+        if trees is None:
+            raise ShmHandleError("Corrupt message: a SharedTree reference where none can be")
+        return trees(entry[1])
+    if kind == "ref":
+        if own is None:
+            raise ShmHandleError("Corrupt message: a reference to this process's own memory where none can be")
+        holder = own(entry[3])
+        if entry[1] == "np":
+            return _build("np", entry[2], holder, entry[3], placement, True)
+        return _build("jax", (entry[2], ((0, entry[3][2]),)), holder, entry[3], placement, True)
+    if kind == "np":
+        holder = mapper.holder(entry[3])
+        return _build("np", (entry[1], entry[2]), holder, entry[3], placement, readonly)
+    if kind == "jax":
+        holder = mapper.holder(entry[3])
+        return _build("jax", (entry[1], entry[2]), holder, entry[3], placement, True)
+    raise ShmHandleError(f"Corrupt message: unknown entry kind {kind!r}")
+
+
+def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool) -> Any:
+    raw = np.frombuffer(holder, np.uint8, count=handle[2])
+    if readonly:
+        raw.flags.writeable = False
+    if sub == "np":
+        dtype, shape = info
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count * dtype.itemsize != handle[2]:
+            raise ShmHandleError(
+                f"Bad shared-memory handle {handle!r}: a {dtype} array of shape {shape} needs "
+                f"{count * dtype.itemsize} bytes but the handle covers {handle[2]} (truncated)."
+            )
+        return raw.view(dtype).reshape(shape)
+    meta, layout = info
+    bufs = []
+    for off, n in layout:
+        if off < 0 or off + n > handle[2]:
+            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)")
+        bufs.append(raw[off : off + n])
+    try:
+        return _codec.decode(meta, bufs, placement)
+    except Exception as e:
+        if isinstance(e, _codec.UnsupportedArrayError) and "Corrupt transfer" in str(e):
+            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
+        raise
+
+
+def decode(
+    data: bytes,
+    entries: list,
+    mapper: Mapper,
+    placement: str,
+    own: Callable | None = None,
+    trees: Callable | None = None,
+    readonly: bool = False,
+) -> Any:
+    """Rebuild what ``encode`` made. Every entry's holder is created first (validating every
+    handle), so a bad handle fails the whole object and releases the good slots."""
+    resolved = []
+    for i, e in enumerate(entries):
+        try:
+            resolved.append(materialize(e, mapper, placement, own, trees, readonly))
+        except BaseException:
+            # The sender still counts a reference for every slot this message carried: give
+            # back the ones not yet wrapped in a holder (the wrapped ones go when they die).
+            for later in entries[i + 1 :]:
+                if isinstance(later, tuple) and later and later[0] in ("np", "jax"):
+                    mapper.pending.append(later[3])
+            raise
+    token = _pickling._placement_override.set(placement)
+    try:
+        return _Decoder(io.BytesIO(data), resolved).load()
+    finally:
+        _pickling._placement_override.reset(token)

@@ -1,0 +1,583 @@
+"""Shared memory for jaxtransport.Pool: recycled memfd segments, handles, fd passing, lifetime.
+
+Note [shared memory design]
+Every process that *sends* arrays owns an :class:`Arena` (the parent for task arguments and
+shared trees, each worker for its results). An arena is a set of ``memfd_create`` segments cut
+into slots of a few size classes (quarter-octave steps, so at most 25% slack). Memory is reserved
+up front with ``posix_fallocate`` (a full system raises :class:`ShmCapacityError` here, never a
+SIGBUS later) and touched once with ``MAP_POPULATE``; freed slots go back to a per-class free list
+and are reused, so steady-state transfers of similar sizes touch no fresh pages.
+
+A memfd has no name in ``/dev/shm``: nothing can leak when any process dies, and Docker's 64 MiB
+``/dev/shm`` does not bound it. A segment's fd travels once per receiver over a ``SOCK_SEQPACKET``
+Unix socket (SCM_RIGHTS, :func:`send_segment` / :meth:`Mapper._drain`); the receiver maps it once
+(also ``MAP_POPULATE``) and keeps the mapping. Only a small handle ``(segment id, offset, nbytes,
+generation)`` travels with each message; :meth:`Mapper.holder` validates it.
+
+Note [slot lifetime]
+A slot's references are counted per *borrower* (a queued task, a worker, a shared tree, the
+sender itself). The receiver wraps each received slot in a fresh per-transfer *holder* (a ctypes
+array exported from the mapping) and gives the codec ``np.frombuffer(holder)``: every numpy view
+and the jax.Array that ``device_put`` makes from it (which aliases it on CPU and keeps the ndarray
+alive, jax-ml/jax#37830) keep the holder alive, because a non-ndarray exporter ends numpy's base
+chain. A ``weakref.finalize`` on the holder queues a "release" for the sender, which frees the
+slot when the borrower's count drops to zero. So a slot is recycled only when the last array (or
+numpy view) over it is gone, and never handed out twice while held; a dead borrower's counts are
+dropped at once (:meth:`Arena.release_all`). Generations reject stale or doubled releases.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from ._errors import ShmCapacityError, ShmHandleError
+
+__all__ = [
+    "Arena",
+    "Mapper",
+    "Handle",
+    "size_class",
+    "default_capacity",
+    "send_segment",
+    "fd_socketpair",
+]
+
+PAGE = mmap.PAGESIZE
+ALIGN = 64
+SLAB = 2 << 20  # size classes below this share a segment of this size
+_MIN_CLASS = 4096
+_FD_MSG = struct.Struct("<QQ")  # segment id, segment size
+
+Handle = tuple  # (seg_id, offset, nbytes, generation)
+
+
+def size_class(nbytes: int) -> int:
+    """The slot size serving ``nbytes``: the next m * 2**k (m in 4..7), page-rounded."""
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    k = max(nbytes.bit_length() - 3, 0)
+    m = -(-nbytes // (1 << k))  # ceil; 4 <= m <= 8
+    cls = m << k
+    return -(-cls // PAGE) * PAGE
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _cgroup_free() -> int | None:
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) > 1 << 60:
+                return None
+            with open(usage_path) as f:
+                return max(int(raw) - int(f.read().strip()), 0)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def free_memory() -> int:
+    """Bytes this process could still allocate: MemAvailable, bounded by the cgroup limit."""
+    avail = _meminfo().get("MemAvailable", 8 << 30)
+    cg = _cgroup_free()
+    return min(avail, cg) if cg is not None else avail
+
+
+def default_capacity() -> int:
+    """Default per-sender cap on recycled shared memory: half the free memory, at least 256 MiB."""
+    return max(free_memory() // 2, 256 << 20)
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def create_segment(size: int) -> tuple[int, mmap.mmap]:
+    """A new memfd of ``size`` bytes, reserved (posix_fallocate) and mapped with its pages touched.
+
+    Cost: the first touch of ``size`` fresh bytes (~1.4 s/GiB here), paid once per segment.
+    Raises ShmCapacityError when the system cannot reserve it (never a later SIGBUS).
+    """
+    if not hasattr(os, "memfd_create"):  # pragma: no cover - Linux always has it
+        raise ShmCapacityError(
+            "jaxtransport.Pool needs os.memfd_create (Linux >= 3.17) for its shared memory; this "
+            "platform lacks it. Use multiprocessing.Pool or jaxtransport.dumps/loads instead."
+        )
+    fd = os.memfd_create("jaxtransport", os.MFD_CLOEXEC)  # private to this process tree, 0600
+    try:
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                free = free_memory()
+                raise ShmCapacityError(
+                    f"jaxtransport.Pool could not reserve {_fmt(size)} ({size} bytes) of shared "
+                    f"memory: the system has about {_fmt(free)} ({free} bytes) free ({e.strerror}). "
+                    "Fixes: send smaller arrays or fewer at once (drop results you no longer need, "
+                    "release() SharedTrees), lower shm_capacity so the pool waits instead, or give "
+                    "the container more memory (docker --memory / --shm-size)."
+                ) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+def fd_socketpair() -> tuple[socket.socket, socket.socket]:
+    """A pair of connected Unix SOCK_SEQPACKET sockets for passing segment fds."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def send_segment(sock: socket.socket, seg_id: int, size: int, fd: int) -> None:
+    """Pass one segment's fd to the peer (SCM_RIGHTS). Raises OSError if the peer is gone."""
+    socket.send_fds(sock, [_FD_MSG.pack(seg_id, size)], [fd])
+
+
+def _addr(mm: mmap.mmap) -> int:
+    c = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+# --------------------------------------------------------------------------------------------
+# Sender side
+
+
+class _Seg:
+    __slots__ = ("seg_id", "size", "fd", "mm", "cls", "nslots", "free_count", "addr")
+
+    def __init__(self, seg_id, size, fd, mm, cls, nslots):
+        self.seg_id, self.size, self.fd, self.mm = seg_id, size, fd, mm
+        self.cls, self.nslots, self.free_count = cls, nslots, nslots
+        self.addr = _addr(mm)
+
+
+class _Slot:
+    __slots__ = ("gen", "refs")
+
+    def __init__(self):
+        self.gen = 0
+        self.refs: dict[Hashable, int] = {}
+
+
+class Arena:
+    """The recycled shared memory a process sends from. Thread-safe.
+
+    ``alloc`` hands out a slot with one reference held by ``borrower``; ``transfer``, ``lend``,
+    ``acquire`` and ``release`` move and count references (Note [slot lifetime]); a slot whose
+    count reaches zero returns to its free list. Segments are created on demand up to
+    ``capacity`` bytes in all; when that would be exceeded, wholly free segments of other sizes
+    are unmapped first (their ids are queued for ``take_forgotten`` so receivers unmap them too),
+    then ``alloc`` waits for releases as long as ``wait`` says progress is possible, then raises
+    ShmCapacityError.
+    """
+
+    def __init__(self, capacity: int | None = None, label: str = "this process"):
+        self.capacity = int(capacity) if capacity else default_capacity()
+        self.label = label
+        self.cond = threading.Condition(threading.Lock())
+        self._segs: dict[int, _Seg] = {}
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._free: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        self._next_id = 1
+        self.mapped = 0  # bytes of all segments
+        self._forgotten: list[int] = []
+        self.closed = False
+        self.segments_created = 0
+
+    # -- inspection
+    def segment(self, seg_id: int) -> _Seg | None:
+        return self._segs.get(seg_id)
+
+    def segments(self) -> list[_Seg]:
+        with self.cond:
+            return list(self._segs.values())
+
+    def in_use(self) -> int:
+        with self.cond:
+            return sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+
+    def held_by(self, borrower: Hashable) -> int:
+        with self.cond:
+            return sum(s.refs.get(borrower, 0) for s in self._slots.values())
+
+    def take_forgotten(self) -> list[int]:
+        with self.cond:
+            out, self._forgotten = self._forgotten, []
+            return out
+
+    # -- allocation
+    def _new_segment(self, cls: int) -> None:
+        nslots = max(1, SLAB // cls)
+        size = cls * nslots
+        fd, mm = create_segment(size)
+        seg_id = self._next_id
+        self._next_id += 1
+        seg = _Seg(seg_id, size, fd, mm, cls, nslots)
+        self._segs[seg_id] = seg
+        self.mapped += size
+        self.segments_created += 1
+        free = self._free[cls]
+        for i in reversed(range(nslots)):
+            self._slots[(seg_id, i * cls)] = _Slot()
+            free.append((seg_id, i * cls))
+
+    def _evict_one(self, keep_cls: int) -> bool:
+        for seg in list(self._segs.values()):
+            if seg.free_count == seg.nslots and seg.cls != keep_cls:
+                self._drop_segment(seg)
+                return True
+        for seg in list(self._segs.values()):
+            if seg.free_count == seg.nslots:
+                self._drop_segment(seg)
+                return True
+        return False
+
+    def _drop_segment(self, seg: _Seg) -> None:
+        del self._segs[seg.seg_id]
+        self._free[seg.cls] = [k for k in self._free[seg.cls] if k[0] != seg.seg_id]
+        for i in range(seg.nslots):
+            self._slots.pop((seg.seg_id, i * seg.cls), None)
+        self.mapped -= seg.size
+        self._forgotten.append(seg.seg_id)
+        _close_quietly(seg)
+
+    def alloc(self, nbytes: int, borrower: Hashable, wait: Callable[[Any], bool] | None = None):
+        """A slot of at least ``nbytes``: returns ``(handle, writable uint8 ndarray of nbytes)``.
+
+        Costs nothing but bookkeeping when a free slot of the class exists; else one new
+        segment (fresh pages) within the cap; else waits (see class docstring).
+        """
+        cls = size_class(nbytes)
+        seg_size = cls * max(1, SLAB // cls)
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise ShmCapacityError(f"the shared memory of {self.label} was closed")
+                free = self._free.get(cls)
+                if free:
+                    key = free.pop()
+                    break
+                if self.mapped + seg_size <= self.capacity:
+                    self._new_segment(cls)
+                    continue
+                if self._evict_one(cls):
+                    continue
+                if seg_size > self.capacity:
+                    raise self._capacity_error(nbytes, seg_size, impossible=True)
+                if wait is None or not wait(self.cond):
+                    raise self._capacity_error(nbytes, seg_size)
+            seg = self._segs[key[0]]
+            seg.free_count -= 1
+            slot = self._slots[key]
+            slot.gen += 1
+            slot.refs = {borrower: 1}
+            handle = (key[0], key[1], nbytes, slot.gen)
+        view = np.frombuffer(seg.mm, np.uint8, count=nbytes, offset=key[1])
+        return handle, view
+
+    def _capacity_error(self, nbytes: int, seg_size: int, impossible: bool = False) -> ShmCapacityError:
+        held = sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+        if impossible:
+            why = f"a single array of {_fmt(nbytes)} is larger than shm_capacity={self.capacity} ({_fmt(self.capacity)})"
+        else:
+            why = (
+                f"shm_capacity={self.capacity} ({_fmt(self.capacity)}) is reached: {_fmt(held)} are held by "
+                "arrays the receivers still keep alive (results you have not dropped, SharedTrees not "
+                "released, arrays a worker keeps) and no release came in time"
+            )
+        return ShmCapacityError(
+            f"jaxtransport.Pool could not get {_fmt(nbytes)} ({nbytes} bytes) of shared memory in {self.label}: "
+            f"{why}; {_fmt(self.mapped)} mapped, about {_fmt(free_memory())} free on the system. "
+            "Fixes: drop received arrays you no longer need, call SharedTree.release(), raise "
+            "Pool(shm_capacity=...), or raise shm_threshold so smaller arrays travel inline."
+        )
+
+    # -- reference counting (Note [slot lifetime])
+    def _slot(self, handle: Handle) -> _Slot | None:
+        try:
+            slot = self._slots.get((handle[0], handle[1]))
+        except (TypeError, IndexError):
+            return None
+        if slot is None or slot.gen != handle[3] or not slot.refs:
+            return None
+        return slot
+
+    def _free_slot(self, handle: Handle, slot: _Slot) -> None:
+        seg = self._segs[handle[0]]
+        seg.free_count += 1
+        self._free[seg.cls].append((handle[0], handle[1]))
+        self.cond.notify_all()
+
+    def release(self, handle: Handle, borrower: Hashable, count: int = 1) -> bool:
+        """Drop ``count`` references of ``borrower``; False (ignored) for stale/unknown ones."""
+        with self.cond:
+            slot = self._slot(handle)
+            if slot is None or borrower not in slot.refs:
+                return False
+            left = slot.refs[borrower] - count
+            if left > 0:
+                slot.refs[borrower] = left
+            else:
+                del slot.refs[borrower]
+                if not slot.refs:
+                    self._free_slot(handle, slot)
+            return True
+
+    def release_many(self, handles, borrower: Hashable) -> None:
+        for h in handles:
+            self.release(h, borrower)
+
+    def release_all(self, borrower: Hashable) -> int:
+        """Drop every reference ``borrower`` holds (a dead worker, a finished shared tree)."""
+        n = 0
+        with self.cond:
+            for key, slot in self._slots.items():
+                c = slot.refs.pop(borrower, 0)
+                if c:
+                    n += c
+                    if not slot.refs:
+                        self._free_slot((key[0], key[1], 0, slot.gen), slot)
+        return n
+
+    def acquire(self, handle: Handle, borrower: Hashable) -> bool:
+        """Add a reference for ``borrower`` to a live slot; False if the slot is not live."""
+        with self.cond:
+            slot = self._slot(handle)
+            if slot is None:
+                return False
+            slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+            return True
+
+    def transfer(self, handles, src: Hashable, dst: Hashable) -> None:
+        with self.cond:
+            for h in handles:
+                slot = self._slot(h)
+                if slot is None or src not in slot.refs:
+                    continue
+                slot.refs[src] -= 1
+                if not slot.refs[src]:
+                    del slot.refs[src]
+                slot.refs[dst] = slot.refs.get(dst, 0) + 1
+
+    def lend(self, handles, borrower: Hashable) -> None:
+        with self.cond:
+            for h in handles:
+                slot = self._slot(h)
+                if slot is not None:
+                    slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+
+    def view(self, handle: Handle) -> tuple[_Seg, int, int]:
+        seg = self._segs.get(handle[0])
+        if seg is None:
+            raise ShmHandleError(f"segment {handle[0]} of {self.label} does not exist (freed or never made)")
+        return seg, handle[1], handle[2]
+
+    def close(self) -> None:
+        """Close every fd and drop every mapping. Memory stays valid for arrays still aliasing it
+        (their mapping lives until they die); receivers keep theirs until they unmap."""
+        with self.cond:
+            self.closed = True
+            segs = list(self._segs.values())
+            self._segs.clear()
+            self._slots.clear()
+            self._free.clear()
+            self.mapped = 0
+            self.cond.notify_all()
+        for seg in segs:
+            _close_quietly(seg)
+
+
+def _close_quietly(seg) -> None:
+    if seg.fd is not None:
+        try:
+            os.close(seg.fd)
+        except OSError:
+            pass
+        seg.fd = None
+    mm = seg.mm
+    seg.mm = None
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            pass  # arrays still alias it: the mapping goes when they do
+
+
+# --------------------------------------------------------------------------------------------
+# Receiver side
+
+
+class _Mapped:
+    __slots__ = ("size", "fd", "mm", "addr")
+
+    def __init__(self, size, fd):
+        self.size, self.fd, self.mm, self.addr = size, fd, None, 0
+
+
+def _on_holder_dead(pending, registry, addr, release) -> None:
+    # Runs from a weakref finalizer, possibly in any thread: atomic operations only.
+    registry.pop(addr, None)
+    pending.append(release)
+
+
+class Mapper:
+    """A receiver's view of one sender's segments. Not thread-safe: one thread receives.
+
+    ``holder(handle)`` validates a handle and returns a fresh per-transfer holder object over
+    the slot; when the holder (and every array over it) dies, the handle is queued in
+    ``pending`` for the sender (``take_releases``). ``find(addr, nbytes)`` tells whether memory at
+    ``addr`` is a live received slot (so it can be sent back as a handle, not a copy).
+    """
+
+    def __init__(self, sock: socket.socket | None, label: str = "the sender", wait_fd: float = 10.0):
+        self.sock = sock
+        self.label = label
+        self.wait_fd = wait_fd
+        self.segs: dict[int, _Mapped] = {}
+        self.forgotten: set[int] = set()
+        self.pending: collections.deque = collections.deque()
+        self.live: dict[int, tuple] = {}  # addr -> handle of a live holder
+
+    def take_releases(self) -> list:
+        out = []
+        pop = self.pending.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
+
+    def _drain(self, want: int | None, timeout: float) -> None:
+        if self.sock is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            r, _, _ = select.select([self.sock], [], [], 0 if want is None else max(deadline - time.monotonic(), 0))
+            if not r:
+                return
+            try:
+                data, fds, _flags, _addr_ = socket.recv_fds(self.sock, _FD_MSG.size, 4)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            seg_id, size = _FD_MSG.unpack(data)
+            for extra in fds[1:]:
+                os.close(extra)
+            if not fds:
+                continue
+            if seg_id in self.forgotten:
+                os.close(fds[0])
+                continue
+            old = self.segs.pop(seg_id, None)
+            if old is not None:
+                _close_quietly(old)
+            self.segs[seg_id] = _Mapped(size, fds[0])
+            if want is not None and seg_id == want:
+                return
+
+    def _segment(self, seg_id: int) -> _Mapped:
+        m = self.segs.get(seg_id)
+        if m is None and seg_id not in self.forgotten:
+            self._drain(seg_id, self.wait_fd)
+            m = self.segs.get(seg_id)
+        if m is None:
+            raise ShmHandleError(
+                f"Bad shared-memory handle: segment {seg_id} of {self.label} is unknown here "
+                f"({'it was freed' if seg_id in self.forgotten else 'its fd never arrived'}). "
+                "The memory this task referred to no longer exists; the task cannot run."
+            )
+        if m.mm is None:
+            m.mm = mmap.mmap(m.fd, m.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            m.addr = _addr(m.mm)
+            os.close(m.fd)
+            m.fd = None
+        return m
+
+    def holder(self, handle: Handle, release: Any = None):
+        """A fresh ctypes array over the slot ``handle`` names. See Note [slot lifetime].
+
+        Raises ShmHandleError for a malformed handle, an unknown segment, or a range outside it.
+        """
+        try:
+            seg_id, offset, nbytes, gen = handle
+            seg_id, offset, nbytes, gen = int(seg_id), int(offset), int(nbytes), int(gen)
+        except (TypeError, ValueError):
+            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: expected (segment, offset, nbytes, generation)") from None
+        m = self._segment(seg_id)
+        if offset < 0 or nbytes < 0 or offset + nbytes > m.size or offset % ALIGN:
+            raise ShmHandleError(
+                f"Bad shared-memory handle {handle!r}: bytes [{offset}, {offset + nbytes}) are outside "
+                f"segment {seg_id} of {self.label} ({m.size} bytes) or misaligned: the handle is "
+                "truncated or corrupt. Only this task fails."
+            )
+        h = (ctypes.c_char * max(nbytes, 1)).from_buffer(m.mm, offset)
+        addr = m.addr + offset
+        self.live[addr] = (seg_id, offset, nbytes, gen)
+        weakref.finalize(h, _on_holder_dead, self.pending, self.live, addr, handle if release is None else release)
+        return h
+
+    def find(self, addr: int, nbytes: int) -> tuple | None:
+        h = self.live.get(addr)
+        if h is not None and h[2] == nbytes:
+            return h
+        return None
+
+    def forget(self, seg_ids) -> None:
+        for seg_id in seg_ids:
+            self.forgotten.add(seg_id)
+            m = self.segs.pop(seg_id, None)
+            if m is not None:
+                _close_quietly(m)
+
+    def close(self) -> None:
+        """Close fds and drop mappings (arrays still aliasing a mapping keep it alive)."""
+        self._drain(None, 0)
+        for m in self.segs.values():
+            _close_quietly(m)
+        self.segs.clear()
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
