@@ -1,0 +1,186 @@
+"""Where the demo's workers run, and how arrays reach them: Pool or Ray, jaxtransport or stock.
+
+Each backend does three things per iteration: ``broadcast(params)`` makes the policy available to
+every worker once (``Pool.share`` / ``ray.put``; the stock Pool has no broadcast, so the
+parameters travel with every task, as they do with ``multiprocessing.Pool``), ``map(handle,
+tasks)`` runs one rollout task per worker and returns the results in order, and
+``release(handle)`` frees the broadcast. ``close()`` (or leaving the ``with`` block) shuts
+everything the backend started down, on success and on error.
+
+The stock variants run the same loop through the same calls with ``multiprocessing.Pool``
+(spawn context) or Ray's default serialization: the only difference measured is the transport.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any, Sequence
+
+from . import _rollouts_worker as worker
+
+BACKENDS = ("pool", "ray")
+TRANSPORTS = ("jaxtransport", "stock")
+
+# What every worker process gets, whichever backend: JAX on the host CPU unless told otherwise,
+# and no GPU memory grab (N workers sharing a GPU must not each preallocate 75% of it).
+_WORKER_ENV_DEFAULTS = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(_WORKER_ENV_DEFAULTS)
+    for name in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def _warm_up(warm: tuple | None) -> None:
+    """Pool initializer: compile the rollout for this run's shapes before the first task, so
+    every worker pays compilation while the pool starts, not inside a timed iteration."""
+    for name, value in _WORKER_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    if warm is not None:
+        worker.warm_up(*warm)
+
+
+class Backend:
+    """The interface the training loop uses; see the module docstring."""
+
+    name: str
+
+    def broadcast(self, params: Any) -> Any:
+        raise NotImplementedError
+
+    def map(self, handle: Any, tasks: Sequence[tuple]) -> list:
+        raise NotImplementedError
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StockPool(Backend):
+    """``multiprocessing.Pool`` (spawn): arguments and results pickled through its pipes."""
+
+    def __init__(self, workers: int, warm: tuple | None):
+        self.name = "pool/stock"
+        ctx = multiprocessing.get_context("spawn")
+        self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(warm,))
+
+    def broadcast(self, params):
+        return params  # pickled again into every task: multiprocessing has no broadcast
+
+    def map(self, handle, tasks):
+        return self._pool.starmap(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+
+    def close(self):
+        self._pool.close()
+        self._pool.join()
+
+
+class JaxtransportPool(Backend):
+    """``jaxtransport.Pool``: arrays through recycled shared memory, parameters ``share()``d."""
+
+    def __init__(self, workers: int, warm: tuple | None):
+        self.name = "pool/jaxtransport"
+        from .pool import Pool  # jaxtransport.Pool
+
+        self._pool = Pool(workers, initializer=_warm_up, initargs=(warm,), start_method="spawn")
+
+    def broadcast(self, params):
+        return self._pool.share(params)
+
+    def map(self, handle, tasks):
+        return self._pool.starmap(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+
+    def release(self, handle):
+        handle.release()
+
+    def close(self):
+        self._pool.close()
+        self._pool.join()
+
+
+class RayBackend(Backend):
+    """Ray tasks; the parameters ``ray.put`` once per iteration and passed by reference.
+
+    ``transport="jaxtransport"`` starts (or joins) Ray with ``jaxtransport.ray.init``: the
+    serializers are registered in the driver and, through the job's setup hook, in every
+    worker. ``"stock"`` uses ``ray.init`` as is (JAX's own pickling). ``address=None`` starts a
+    local Ray with ``num_cpus=workers`` that ``close()`` shuts down again.
+    """
+
+    def __init__(self, workers: int, transport: str, address: str | None):
+        try:
+            import ray
+        except ImportError as exc:
+            raise ImportError(
+                "--backend ray needs Ray: pip install 'jaxtransport[ray]' (or use --backend pool)"
+            ) from exc
+        self._ray = ray
+        self.name = f"ray/{transport}"
+        if ray.is_initialized():
+            raise RuntimeError(
+                "the rollouts demo starts its own Ray connection, but ray.init() was already "
+                "called in this process: call ray.shutdown() first, or pass the cluster "
+                "address to the demo (--address) instead"
+            )
+        kwargs: dict[str, Any] = {
+            "runtime_env": {"env_vars": worker_env()},
+            "logging_level": "ERROR",
+            "log_to_driver": False,
+        }
+        if address is not None:
+            kwargs["address"] = address
+        else:
+            kwargs.update(num_cpus=workers, include_dashboard=False)
+        self._jt_ray = None
+        if transport == "jaxtransport":
+            from . import ray as jt_ray
+
+            self._jt_ray = jt_ray
+            jt_ray.init(**kwargs)
+        else:
+            ray.init(**kwargs)
+        self._remote = ray.remote(num_cpus=1, max_retries=0)(worker.rollout)
+
+    def broadcast(self, params):
+        return self._ray.put(params)
+
+    def map(self, handle, tasks):
+        return self._ray.get([self._remote.remote(handle, *t) for t in tasks])
+
+    def close(self):
+        try:
+            self._ray.shutdown()
+        finally:
+            if self._jt_ray is not None:
+                self._jt_ray.unregister()
+
+
+def make(backend: str, transport: str, workers: int, *, address: str | None = None,
+         warm: tuple | None = None) -> Backend:
+    """Start a backend. ``warm`` (the arguments of ``_rollouts_worker.warm_up``) lets Pool
+    workers compile the rollout while they start."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    if address is not None and backend != "ray":
+        raise ValueError("--address names a Ray cluster: use it with --backend ray")
+    if backend == "ray":
+        return RayBackend(workers, transport, address)
+    if transport == "stock":
+        return StockPool(workers, warm)
+    return JaxtransportPool(workers, warm)

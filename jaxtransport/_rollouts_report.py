@@ -1,0 +1,134 @@
+"""Text output of the rollouts demo: a progress bar on stderr, a line per iteration, tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import TYPE_CHECKING, Sequence, TextIO
+
+if TYPE_CHECKING:
+    from .rollouts import Config, IterationStats, RunResult
+
+MiB = 1 << 20
+
+
+class ProgressBar:
+    """A plain-text bar on ``stream``: redrawn in place on a terminal, one line per update
+    otherwise (so logs stay readable)."""
+
+    def __init__(self, total: int, stream: TextIO, label: str, width: int = 30):
+        self.total, self.stream, self.label, self.width = total, stream, label, width
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self._drawn = False
+
+    def update(self, n: int, stats: IterationStats) -> None:
+        filled = round(self.width * n / max(self.total, 1))
+        bar = "#" * filled + "-" * (self.width - filled)
+        rate = stats.env_steps / max(stats.wall_s, 1e-12)
+        text = (f"{self.label} [{bar}] {n}/{self.total} "
+                f"return {stats.mean_return:6.1f}  {rate / 1e3:7.1f}k steps/s")
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self._drawn = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self._drawn = False
+
+    def finish(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def iteration_line(s: IterationStats, cfg: Config, warmup: bool) -> str:
+    ret = f"{s.mean_return:6.1f}" if s.episodes else f">={s.mean_return:4.0f}"
+    return (
+        f"iter {s.iteration:3d}/{cfg.iterations}  return {ret} ({s.episodes:3d} episodes)  "
+        f"{s.env_steps / max(s.wall_s, 1e-12) / 1e3:7.1f}k steps/s  "
+        f"transport {s.transport_s:6.3f}s  compute {s.compute_s:6.3f}s  "
+        f"learner {s.learner_s:6.3f}s" + ("  (warm-up)" if warmup else "")
+    )
+
+
+def environment() -> str:
+    import jax
+
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = "not installed"
+    return (f"python {platform.python_version()}, jax {jax.__version__}, ray {ray_version}, "
+            f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}")
+
+
+COLUMNS = ("run", "env steps/s", "MiB moved/iter", "transport s/iter", "compute s/iter",
+           "learner s/iter", "transport share", "speedup vs stock", "final return")
+
+
+def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
+    """One row per run; the speedup is against the stock run of the same backend, if any."""
+    stock = {r.backend: r.steps_per_s for r in runs if r.transport == "stock"}
+    rows = []
+    for r in runs:
+        n = len(r.timed)
+        wall = r.total("wall_s")
+        base = stock.get(r.backend)
+        speedup = f"{r.steps_per_s / base:.2f}x" if base else "n/a (use --compare)"
+        tail = r.returns[-3:]
+        rows.append([
+            f"{r.backend}/{r.transport}",
+            f"{r.steps_per_s:,.0f}",
+            f"{r.total('bytes_moved') / n / MiB:.1f}",
+            f"{r.total('transport_s') / n:.3f}",
+            f"{r.total('compute_s') / n:.3f}",
+            f"{r.total('learner_s') / n:.3f}",
+            f"{100 * r.total('transport_s') / max(wall, 1e-12):.0f}%",
+            speedup,
+            f"{sum(tail) / len(tail):.1f}",
+        ])
+    return rows
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summary_table(runs: Sequence[RunResult]) -> str:
+    """The end-of-run report: configuration, environment, a markdown table per run."""
+    cfg = runs[0].config
+    steps = cfg.workers * cfg.envs * cfg.steps
+    timed = len(runs[0].timed)
+    head = [
+        f"## Rollouts: {cfg.backend} backend, {cfg.workers} workers",
+        "",
+        f"{steps:,} env steps per iteration ({cfg.workers} workers x {cfg.envs} envs x "
+        f"{cfg.steps} steps, {cfg.frame_size}x{cfg.frame_size} uint8 frames); policy "
+        f"{runs[0].param_bytes / MiB:.1f} MiB; figures over {timed} iterations after "
+        f"{min(cfg.warmup, len(runs[0].iterations) - timed)} warm-up.",
+        f"Environment: {environment()}.",
+        "transport = iteration wall time - slowest worker's compute - learner update.",
+        "",
+    ]
+    text = "\n".join(head) + markdown_table(COLUMNS, table_rows(runs))
+    by_transport = {r.transport: r for r in runs}
+    if "stock" in by_transport and "jaxtransport" in by_transport:
+        a, b = by_transport["stock"], by_transport["jaxtransport"]
+        same = a.returns == b.returns
+        text += (
+            f"\n\nspeedup (env steps/s, jaxtransport over stock): "
+            f"{b.steps_per_s / a.steps_per_s:.2f}x\n"
+            f"learning curves identical across transports: {'yes' if same else 'NO'}"
+        )
+    return text

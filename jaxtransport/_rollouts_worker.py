@@ -1,0 +1,140 @@
+"""The two jitted halves of the demo's loop: a worker's rollout and the learner's update.
+
+``rollout`` is the task every worker runs (a top-level function, so any backend can ship it by
+reference). It runs ``envs`` environments for ``steps`` steps under ``lax.scan``, vmapped over
+the environments, acting with the broadcast parameters, and returns the trajectory as jax arrays,
+time-major: ``frames`` (steps + 1, envs, S, S) uint8 -- the previous frame of step 0, then each
+step's observation --, ``firsts``/``dones`` (steps, envs) bool, ``actions`` int32, ``rewards``
+float32, plus the environments' carry (to continue the episodes next iteration) and the seconds
+spent computing (measured in the worker, compilation excluded after the first call).
+
+``learn`` is the learner's jitted REINFORCE step. It reads the frames back: the policy's inputs
+are recomputed from the pixels the workers sent, so the trajectory payload is what the gradient
+is computed from.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _rollouts_env as env
+from . import _rollouts_policy as policy
+
+
+class Carry(NamedTuple):
+    """Where each environment stands between iterations (tiny: a few floats per env)."""
+
+    state: env.EnvState  # the state the next step starts from
+    prev_state: env.EnvState  # the state whose frame is the previous observation
+    first: jax.Array  # (envs,) bool: the next observation starts an episode
+
+
+class Trajectory(NamedTuple):
+    frames: jax.Array  # (T + 1, E, S, S) uint8
+    firsts: jax.Array  # (T, E) bool
+    actions: jax.Array  # (T, E) int32
+    rewards: jax.Array  # (T, E) float32
+    dones: jax.Array  # (T, E) bool
+    finished_return_sum: jax.Array  # () float32: sum of returns of episodes ended this rollout
+    finished_count: jax.Array  # () int32
+
+
+def initial_carry(key: jax.Array, envs: int) -> Carry:
+    state = env.reset_batch(key, envs)
+    return Carry(state, state, jnp.ones((envs,), bool))
+
+
+_render = jax.vmap(env.render, in_axes=(0, None))
+
+
+@functools.partial(jax.jit, static_argnames=("frame_size", "steps"))
+def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
+    envs = carry.first.shape[0]
+    prev0 = _render(carry.prev_state, frame_size)
+
+    def body(c, k):
+        state, prev_seen, first = c
+        k_act, k_reset = jax.random.split(k)
+        cur = _render(state, frame_size)
+        seen = env.read_frame(cur, frame_size)
+        prev = jnp.where(first[:, None], seen, prev_seen)
+        logits = policy.apply(params, env.features(prev, seen))
+        action = jax.random.categorical(k_act, logits).astype(jnp.int32)
+        nxt, reward, done, finished = jax.vmap(env.step)(
+            state, action, jax.random.split(k_reset, envs)
+        )
+        out = (cur, first, action, reward * jnp.ones((envs,), jnp.float32), done, finished)
+        return (nxt, seen, done), (out, state)
+
+    init = (carry.state, env.read_frame(prev0, frame_size), carry.first)
+    (state, _, first), ((frames, firsts, actions, rewards, dones, finished), states) = (
+        jax.lax.scan(body, init, jax.random.split(key, steps))
+    )
+    last = jax.tree.map(lambda s: s[-1], states)
+    traj = Trajectory(
+        frames=jnp.concatenate([prev0[None], frames]),
+        firsts=firsts,
+        actions=actions,
+        rewards=rewards,
+        dones=dones,
+        finished_return_sum=finished.sum(),
+        finished_count=dones.sum(dtype=jnp.int32),
+    )
+    return traj, Carry(state, last, first)
+
+
+def rollout(params, carry: Carry, key, frame_size: int, steps: int):
+    """Run one worker's share of an iteration. Returns ``(trajectory, carry, compute_seconds)``.
+
+    ``compute_seconds`` covers the jitted rollout until its outputs are ready, in this process;
+    it excludes receiving the arguments and sending the results (the transport).
+    """
+    start = time.perf_counter()
+    traj, carry = _rollout(params, carry, key, frame_size=frame_size, steps=steps)
+    jax.block_until_ready((traj, carry))
+    return traj, carry, time.perf_counter() - start
+
+
+def _features(traj: Trajectory, frame_size: int) -> jax.Array:
+    """The policy's inputs, recomputed from the frames: each frame is read once."""
+    seen = env.read_frame(traj.frames, frame_size)  # (T + 1, E, 2)
+    cur = seen[1:]
+    prev = jnp.where(traj.firsts[..., None], cur, seen[:-1])
+    return env.features(prev, cur)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("frame_size", "gamma", "entropy_coef"), donate_argnums=(0, 1)
+)
+def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
+          entropy_coef: float):
+    """One REINFORCE step on the trajectories of all workers. Returns ``(params, opt, loss)``.
+
+    Advantages are reward-to-go returns standardized over the whole batch (see
+    ``_rollouts_policy.update`` for the step). ``params`` and ``opt`` are donated: the table's
+    sparse update happens in place.
+    """
+    feats, acts, rets = [], [], []
+    for traj in trajs:
+        feats.append(_features(traj, frame_size).reshape(-1, 4))
+        acts.append(traj.actions.reshape(-1))
+        g = policy.discounted_returns(traj.rewards.T, traj.dones.T, gamma).T
+        rets.append(g.reshape(-1))
+    feats, acts, rets = jnp.concatenate(feats), jnp.concatenate(acts), jnp.concatenate(rets)
+    adv = (rets - rets.mean()) / (rets.std() + 1e-6)
+    return policy.update(params, opt, policy.Batch(feats, acts, adv), lr, table_lr, entropy_coef)
+
+
+def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> None:
+    """Compile :func:`rollout` for these shapes in this process (zeros in, result dropped)."""
+    params = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        jax.eval_shape(lambda: policy.init(jax.random.key(0), 1.0, hidden)),
+    )
+    params["table"] = jnp.zeros((rows, hidden), jnp.float32)
+    rollout(params, initial_carry(jax.random.key(0), envs), jax.random.key(0), frame_size, steps)

@@ -1,0 +1,243 @@
+"""The rollouts demo: environment, policy, learner, and the CLI end to end on Pool and Ray."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtransport import _rollouts_env as env
+from jaxtransport import _rollouts_policy as policy
+from jaxtransport import _rollouts_worker as worker
+from jaxtransport import rollouts
+
+from .conftest import ROOT
+
+# Small enough that a run is dominated by process start-up, large enough to be the real loop.
+TINY = ["--iterations", "2", "--envs", "4", "--steps", "16", "--frame-size", "24",
+        "--param-mb", "1", "--hidden", "16", "--warmup", "0"]
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxtransport.rollouts", *args],
+        env=environ, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# environment
+
+
+def _gym_step(s, action):
+    """Gym's CartPole-v1 step (Euler), written out in numpy as the reference."""
+    x, x_dot, theta, theta_dot = s
+    force = 10.0 if action == 1 else -10.0
+    cos, sin = math.cos(theta), math.sin(theta)
+    temp = (force + 0.05 * theta_dot**2 * sin) / 1.1
+    theta_acc = (9.8 * sin - cos * temp) / (0.5 * (4.0 / 3.0 - 0.1 * cos**2 / 1.1))
+    x_acc = temp - 0.05 * theta_acc * cos / 1.1
+    return (x + 0.02 * x_dot, x_dot + 0.02 * x_acc, theta + 0.02 * theta_dot,
+            theta_dot + 0.02 * theta_acc)
+
+
+def test_physics_match_gym_cartpole():
+    s = env.EnvState(*(jnp.float32(v) for v in (0.01, -0.02, 0.03, 0.04)), jnp.int32(0),
+                     jnp.float32(0))
+    ref = (0.01, -0.02, 0.03, 0.04)
+    for t, action in enumerate([1, 1, 0, 1, 0, 0, 1]):
+        s, reward, done, finished = env.step(s, jnp.int32(action), jax.random.key(t))
+        ref = _gym_step(ref, action)
+        np.testing.assert_allclose([s.x, s.x_dot, s.theta, s.theta_dot], ref, rtol=1e-5,
+                                   atol=1e-6)
+        assert float(reward) == 1.0 and not bool(done) and float(finished) == 0.0
+        assert int(s.steps) == t + 1 and float(s.ep_return) == t + 1
+
+
+def test_episode_ends_and_resets():
+    s = env.EnvState(jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.2), jnp.float32(2.0),
+                     jnp.int32(41), jnp.float32(41.0))
+    s, _, done, finished = env.step(s, jnp.int32(0), jax.random.key(0))
+    assert bool(done) and float(finished) == 42.0
+    assert int(s.steps) == 0 and float(s.ep_return) == 0.0
+    assert all(abs(float(v)) <= 0.05 for v in (s.x, s.x_dot, s.theta, s.theta_dot))
+    # Truncation at MAX_STEPS counts as an episode end too.
+    s = s._replace(steps=jnp.int32(env.MAX_STEPS - 1), ep_return=jnp.float32(env.MAX_STEPS - 1))
+    _, _, done, finished = env.step(s, jnp.int32(1), jax.random.key(1))
+    assert bool(done) and float(finished) == env.MAX_STEPS
+
+
+@pytest.mark.parametrize("frame_size", [32, 84])
+def test_render_and_read_back(frame_size):
+    """Frames carry the state: the policy's pixel encoder recovers x and theta from them."""
+    n = 64
+    k1, k2 = jax.random.split(jax.random.key(0))
+    s = env.reset_batch(jax.random.key(1), n)._replace(
+        x=jax.random.uniform(k1, (n,), minval=-2.3, maxval=2.3),
+        theta=jax.random.uniform(k2, (n,), minval=-0.2, maxval=0.2),
+    )
+    frames = jax.vmap(env.render, in_axes=(0, None))(s, frame_size)
+    assert frames.shape == (n, frame_size, frame_size) and frames.dtype == jnp.uint8
+    assert int(frames.max()) == env.CART_VALUE
+    got = env.read_frame(frames, frame_size)
+    np.testing.assert_allclose(got[:, 0], s.x, atol=0.02)
+    np.testing.assert_allclose(got[:, 1], s.theta, atol=0.03)
+    # Different states draw different frames.
+    assert not np.array_equal(np.asarray(frames[0]), np.asarray(frames[1]))
+
+
+def test_velocity_features_from_frame_pairs():
+    s0 = env.EnvState(*(jnp.float32(v) for v in (0.3, 0.8, 0.05, -0.6)), jnp.int32(0),
+                      jnp.float32(0))
+    s1, *_ = env.step(s0, jnp.int32(1), jax.random.key(0))
+    f0, f1 = env.render(s0, 84), env.render(s1, 84)
+    feats = env.features(env.read_frame(f0, 84), env.read_frame(f1, 84))
+    # Frame differences see the velocity that moved the state between the frames.
+    np.testing.assert_allclose(feats[1], s0.x_dot, atol=0.15)
+    np.testing.assert_allclose(feats[3], s0.theta_dot, atol=0.4)
+
+
+# ------------------------------------------------------------------------------------------
+# policy and learner
+
+
+@pytest.mark.parametrize("param_mb", [1, 8, 32])
+def test_param_mb_sets_the_policy_size(param_mb):
+    shapes = jax.eval_shape(lambda: policy.init(jax.random.key(0), param_mb, 64))
+    nbytes = policy.num_bytes(shapes)
+    assert abs(nbytes - param_mb * 2**20) <= 64 * 4, nbytes
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="param_mb"):
+        policy.table_rows(0, 64)
+    with pytest.raises(ValueError, match="--workers"):
+        rollouts.Config(workers=0).validate()
+    with pytest.raises(ValueError, match="--address"):
+        rollouts.Config(address="127.0.0.1:6379").validate()
+
+
+def test_tiles_in_range_and_local():
+    feats = jax.random.uniform(jax.random.key(0), (500, 4), minval=-5, maxval=5)
+    idx = policy.tiles(feats, 1000)
+    assert idx.shape == (500, policy.N_TILINGS)
+    assert int(idx.min()) >= 0 and int(idx.max()) < 1000
+    # Nearby inputs share most tiles (generalization); far ones share few.
+    a = jnp.array([0.1, 0.2, 0.01, 0.1])
+    near = set(np.asarray(policy.tiles(a + 0.01, 1 << 20)).tolist())
+    far = set(np.asarray(policy.tiles(-a * 10, 1 << 20)).tolist())
+    base = set(np.asarray(policy.tiles(a, 1 << 20)).tolist())
+    assert len(base & near) >= policy.N_TILINGS // 2 > len(base & far)
+
+
+def test_discounted_returns_match_a_loop():
+    rng = np.random.default_rng(0)
+    rewards = rng.random((3, 20)).astype(np.float32)
+    dones = rng.random((3, 20)) < 0.2
+    got = np.asarray(policy.discounted_returns(jnp.asarray(rewards), jnp.asarray(dones), 0.9))
+    want = np.zeros_like(rewards)
+    for e in range(3):
+        g = 0.0
+        for t in reversed(range(20)):
+            g = rewards[e, t] + 0.9 * g * (1.0 - dones[e, t])
+            want[e, t] = g
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_rollout_trajectory_layout():
+    params = policy.init(jax.random.key(0), 1, 16)
+    carry = worker.initial_carry(jax.random.key(1), 3)
+    traj, carry2, secs = worker.rollout(params, carry, jax.random.key(2), 24, 10)
+    assert traj.frames.shape == (11, 3, 24, 24) and traj.frames.dtype == jnp.uint8
+    assert traj.actions.shape == traj.rewards.shape == traj.dones.shape == (10, 3)
+    assert bool(traj.firsts[0].all())  # a fresh carry starts episodes
+    assert secs > 0
+    # The carry continues the episodes: the next rollout's step 0 is the state after step 9.
+    traj2, _, _ = worker.rollout(params, carry2, jax.random.key(3), 24, 10)
+    assert np.array_equal(np.asarray(traj2.frames[0]), np.asarray(traj.frames[-1]))
+    np.testing.assert_array_equal(traj2.firsts[0], traj.dones[-1])
+
+
+class _Inline:
+    """A backend that runs the tasks in this process (the loop without the transport)."""
+
+    name = "inline"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def broadcast(self, params):
+        return params
+
+    def map(self, handle, tasks):
+        return [worker.rollout(handle, *t) for t in tasks]
+
+    def release(self, handle):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_return_improves_with_a_fixed_seed(monkeypatch):
+    """REINFORCE on pixels learns: the last iterations' mean return is at least twice the
+    first's. Deterministic (fixed seed, XLA CPU), so this cannot flake."""
+    monkeypatch.setattr(rollouts.backends, "make", _Inline)
+    cfg = rollouts.Config(workers=2, envs=8, steps=64, frame_size=32, param_mb=1,
+                          iterations=10, seed=0)
+    result = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
+    returns = result.returns
+    assert len(returns) == 10 and all(r > 0 for r in returns)
+    assert np.mean(returns[-3:]) > 2 * returns[0], returns
+    # And again: bit-identical.
+    again = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
+    assert again.returns == returns
+
+
+# ------------------------------------------------------------------------------------------
+# the CLI, end to end through real worker processes
+
+
+def test_cli_pool_compare_end_to_end():
+    """Both transports on the Pool backend: the same learning curve bit for bit (the transport
+    changes nothing but the speed), and the report table."""
+    proc = _cli(*TINY, "--compare")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    for needle in ("pool/stock", "pool/jaxtransport", "env steps/s", "transport share",
+                   "speedup (env steps/s, jaxtransport over stock)"):
+        assert needle in out, out
+    assert "learning curves identical across transports: yes" in out, out
+    assert out.count("iter   2/2") == 2
+    assert "[##############################] 2/2" in proc.stderr  # the progress bar
+
+
+def test_cli_rejects_bad_flags():
+    proc = _cli("--workers", "0")
+    assert proc.returncode == 2 and "--workers must be >= 1" in proc.stderr
+    proc = _cli("--address", "127.0.0.1:6379")
+    assert proc.returncode == 2 and "--backend ray" in proc.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_cli_ray_compare_end_to_end():
+    """Both transports on a local Ray started by the demo (its own interpreter, so no Ray
+    state is shared with other tests)."""
+    pytest.importorskip("ray")
+    proc = _cli(*TINY, "--backend", "ray", "--compare", timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "ray/stock" in out and "ray/jaxtransport" in out, out
+    assert "learning curves identical across transports: yes" in out, out
