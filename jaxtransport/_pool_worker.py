@@ -77,7 +77,12 @@ def worker_main(conn, fdsock, config: bytes) -> None:
     _apply_env(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
-    _Worker(conn, fdsock, cfg).run()
+    global CURRENT
+    CURRENT = _Worker(conn, fdsock, cfg)
+    CURRENT.run()
+
+
+CURRENT = None  # the running worker (for introspection and tests)
 
 
 class _Worker:

@@ -1031,6 +1031,22 @@ def _first_tracer(*pairs) -> str | None:
         found = find_tracer(obj, root)
         if found is not None:
             return found[0] or root
+        if callable(obj):  # a closure or defaults holding a tracer: name the captured variable
+            code = getattr(obj, "__code__", None)
+            cells = getattr(obj, "__closure__", None) or ()
+            names = code.co_freevars if code is not None else ()
+            for name, cell in zip(names, cells):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                found = find_tracer(value, f"{root}.<closure {name}>")
+                if found is not None:
+                    return found[0]
+            for i, value in enumerate(getattr(obj, "__defaults__", None) or ()):
+                found = find_tracer(value, f"{root}.__defaults__[{i}]")
+                if found is not None:
+                    return found[0]
     return None
 
 

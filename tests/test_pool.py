@@ -1,0 +1,358 @@
+"""jaxtransport.Pool: the multiprocessing.Pool API, cloudpickle, arrays both ways, tracers, env."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxtransport as jt
+from jaxtransport import _pool_env
+from jaxtransport._errors import PoolStateError, TransportError
+
+from .conftest import run_python
+
+THRESH = 1 << 16  # small arrays still take the shared-memory path here
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = jt.Pool(2, shm_threshold=THRESH)
+    yield p
+    p.close()
+    p.join()
+
+
+def square(x):
+    return x * x
+
+
+def worker_info(_=None):
+    import os
+
+    from jaxtransport import _pool_worker
+
+    w = _pool_worker.CURRENT
+    return {
+        "pid": os.getpid(),
+        "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "JT_TEST_VAR")},
+        "segments_created": w.arena.segments_created,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the API
+
+
+def test_apply_and_async_result(pool):
+    assert pool.apply(square, (7,)) == 49
+    assert pool.apply(lambda a, b=1: a + b, (1,), {"b": 5}) == 6
+    r = pool.apply_async(time.sleep, (0.3,))
+    assert not r.ready()
+    with pytest.raises(ValueError):
+        r.successful()
+    with pytest.raises(multiprocessing.TimeoutError):
+        r.get(timeout=0.01)
+    r.wait()
+    assert r.ready() and r.successful() and r.get() is None
+
+
+def test_map_family(pool):
+    assert pool.map(square, range(20)) == [i * i for i in range(20)]
+    assert pool.map(square, range(20), chunksize=3) == [i * i for i in range(20)]
+    assert pool.map(square, []) == []
+    assert pool.map_async(square, range(5), 2).get(30) == [0, 1, 4, 9, 16]
+    assert pool.starmap(lambda a, b: a - b, [(3, 1), (10, 4)]) == [2, 6]
+    assert pool.starmap_async(pow, [(2, 3), (3, 2)], 1).get(30) == [8, 9]
+    assert list(pool.imap(square, range(10))) == [i * i for i in range(10)]
+    assert list(pool.imap(square, (i for i in range(10)), chunksize=3)) == [i * i for i in range(10)]
+    assert sorted(pool.imap_unordered(square, range(10), 4)) == [i * i for i in range(10)]
+    assert sorted(pool.imap_unordered(square, iter(range(7)))) == [i * i for i in range(7)]
+    assert list(pool.imap(square, [])) == []
+    it = pool.imap(time.sleep, [0.5])
+    with pytest.raises(multiprocessing.TimeoutError):
+        it.next(timeout=0.01)
+    assert it.next(timeout=30) is None
+
+
+def test_callbacks(pool):
+    got, errs = [], []
+    pool.apply_async(square, (3,), callback=got.append).get(30)
+    pool.map_async(square, range(4), callback=got.append).get(30)
+    r = pool.apply_async(lambda: 1 / 0, error_callback=errs.append)
+    with pytest.raises(ZeroDivisionError):
+        r.get(30)
+    assert got == [9, [0, 1, 4, 9]]
+    assert len(errs) == 1 and isinstance(errs[0], ZeroDivisionError)
+    assert not r.successful()
+
+
+def test_lambdas_closures_and_exceptions_with_remote_traceback(pool):
+    k = 10
+    assert pool.map(lambda x: x + k, [1, 2]) == [11, 12]
+
+    def failing(x):
+        raise KeyError(f"bad {x}")
+
+    with pytest.raises(KeyError) as info:
+        pool.map(failing, [1, 2, 3])
+    cause = info.value.__cause__
+    assert type(cause).__name__ == "RemoteTraceback" and "failing" in str(cause) and "KeyError" in str(cause)
+    it = pool.imap(lambda x: 1 // (x - 2), range(4))
+    assert next(it) == -1 and next(it) == -1
+    with pytest.raises(ZeroDivisionError):
+        next(it)
+    assert next(it) == 1
+
+
+class Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("nope")
+        self.lock = __import__("threading").Lock()
+
+
+def test_unpicklable_exception_and_result(pool):
+    def raise_it():
+        raise Unpicklable()
+
+    with pytest.raises(TransportError, match="Unpicklable"):
+        pool.apply(raise_it)
+    with pytest.raises(TypeError, match="lock"):
+        pool.apply(lambda: __import__("threading").Lock())
+    assert pool.apply(square, (2,)) == 4  # the pool is fine
+
+
+def test_unpicklable_argument_raises_in_caller(pool):
+    import threading
+
+    with pytest.raises(TypeError):
+        pool.apply(square, (threading.Lock(),))
+    assert pool.apply(square, (3,)) == 9
+
+
+def test_main_module_code_under_spawn():
+    code = """
+import jax.numpy as jnp, jaxtransport as jt
+SCALE = 3
+def scaled(x):
+    return x * SCALE
+if __name__ == "__main__":
+    with jt.Pool(1, shm_threshold=1024) as p:
+        print(p.map(scaled, [1, 2]), float(p.apply(lambda a: scaled(a).sum(), (jnp.ones(4096),))))
+"""
+    out = run_python(code, env={"JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "[3, 6] 12288.0" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# arrays
+
+
+def describe(tree):
+    import jax
+
+    from jaxtransport import _pool_worker
+
+    w = _pool_worker.CURRENT
+    out = []
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, (np.ndarray, jax.Array)):
+            ptr = leaf.unsafe_buffer_pointer() if isinstance(leaf, jax.Array) else leaf.ctypes.data
+            shared = w.mapper.find(ptr, leaf.nbytes) is not None
+            out.append((type(leaf).__name__, str(leaf.dtype), leaf.shape, getattr(leaf, "weak_type", None), shared))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool", "uint16"])
+def test_jax_arrays_both_ways_bit_exact(pool, dtype):
+    n = THRESH * 2
+    x = (jnp.arange(n) % 7).astype(dtype)
+    tree = {"params": {"w": x, "b": jnp.ones(3, dtype)}, "n": np.arange(n, dtype=np.int16)}
+    desc = pool.apply(describe, (tree,))
+    # leaves in key order: n, params.b, params.w
+    assert desc[0][:3] == ("ndarray", "int16", (n,)) and desc[0][4] is True  # numpy: shared memory
+    assert desc[1][:3] == ("ArrayImpl", dtype, (3,)) and desc[1][4] is False  # small: inline
+    assert desc[2][:3] == ("ArrayImpl", dtype, (n,)) and desc[2][4] is True  # zero-copy alias
+    back = pool.apply(lambda t: t, (tree,))
+    assert back["params"]["w"].dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(back["params"]["w"]).view(np.uint8), np.asarray(x).view(np.uint8))
+    np.testing.assert_array_equal(back["n"], tree["n"])
+
+
+def test_weak_type_prng_keys_and_scalars(pool):
+    w = jnp.asarray(2.0) * jnp.ones(THRESH)  # weak-typed
+    key = jax.random.split(jax.random.key(1), THRESH // 4)
+    out = pool.apply(lambda a, k: (a, k, jax.random.key_data(k).shape), (w, key))
+    assert out[0].weak_type == w.weak_type and out[0].dtype == w.dtype
+    assert jax.dtypes.issubdtype(out[1].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out[1]), jax.random.key_data(key))
+    assert out[2] == (THRESH // 4, 2)
+
+
+def test_numpy_arguments_are_writeable_and_results_alias_shared_memory(pool):
+    a = np.arange(THRESH, dtype=np.float64).reshape(-1, 8)
+
+    def bump(x):
+        x += 1  # a private, writeable copy
+        return x
+
+    out = pool.apply(bump, (a,))
+    np.testing.assert_array_equal(out, a + 1)
+    assert a[0, 0] == 0
+    f = np.asfortranarray(a)
+    np.testing.assert_array_equal(pool.apply(lambda x: x, (f,)), a)
+    big = pool.apply(lambda: jnp.full((THRESH,), 3, jnp.int32))
+    state = pool._state
+    assert any(w.mapper.find(big.unsafe_buffer_pointer(), big.nbytes) for w in state.workers)
+    assert int(big.sum()) == 3 * THRESH
+
+
+def test_placement_host():
+    with jt.Pool(1, shm_threshold=1024, placement="host") as p:
+        out = p.apply(lambda a: (type(a).__name__, a * 2), (jnp.ones(4096, jnp.float32),))
+    assert out[0] == "ndarray" and isinstance(out[1], np.ndarray)
+    np.testing.assert_array_equal(out[1], 2)
+
+
+def test_ml_dtypes_numpy_round_trip(pool):
+    a = np.arange(THRESH, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    out = pool.apply(lambda x: x, (a,))
+    assert out.dtype == a.dtype
+    np.testing.assert_array_equal(out.view(np.uint16), a.view(np.uint16))
+
+
+# --------------------------------------------------------------------------------------------
+# tracers fail fast
+
+
+def test_tracer_fails_fast_with_path_before_any_shared_memory(pool):
+    state = pool._state
+    before = (state.arena.segments_created, state.arena.in_use(), next(state.chunk_ids))
+    big = jnp.ones(THRESH)
+
+    @jax.jit
+    def traced(w):
+        return pool.apply(square, ({"big": big}, {"params": {"w": w}}))
+
+    with pytest.raises(jt.TracerTransportError) as info:
+        traced(jnp.ones(3))
+    assert info.value.path == "args[1]['params']['w']"
+    assert isinstance(info.value, jax.errors.ConcretizationTypeError)
+
+    with pytest.raises(jt.TracerTransportError) as info:
+        jax.jit(lambda w: pool.map(square, [big, big, {"x": [w]}]))(jnp.ones(3))
+    assert info.value.path == "iterable[2]['x'][0]"
+    with pytest.raises(jt.TracerTransportError) as info:
+        jax.jit(lambda w: pool.apply(lambda: w + 1))(jnp.ones(3))
+    assert info.value.path.startswith("func")
+    with pytest.raises(jt.TracerTransportError) as info:
+        jax.jit(lambda w: pool.share({"a": big, "b": w}))(jnp.ones(3))
+    assert info.value.path == "tree['b']"
+    after = (state.arena.segments_created, state.arena.in_use(), next(state.chunk_ids))
+    assert after[0] == before[0] and after[1] <= before[1]  # no slot was taken
+    assert after[2] == before[2] + 1  # no task was created in between
+    assert pool.apply(square, (3,)) == 9
+
+
+# --------------------------------------------------------------------------------------------
+# construction and environment
+
+
+def test_fork_is_refused_and_arguments_validated():
+    with pytest.raises(ValueError, match="fork.*deadlock"):
+        jt.Pool(1, start_method="fork")
+    with pytest.raises(ValueError):
+        jt.Pool(0)
+    with pytest.raises(ValueError):
+        jt.Pool(1, maxtasksperchild=0)
+    with pytest.raises(jt.PlacementError):
+        jt.Pool(1, placement="gpu")
+    with pytest.raises(ValueError):
+        jt.Pool(1, shm_threshold=-1)
+
+
+def test_worker_env_defaults_and_overrides(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    with jt.Pool(1, worker_env={"JT_TEST_VAR": "yes", "CUDA_VISIBLE_DEVICES": "7"}) as p:
+        env = p.apply(worker_info)["env"]
+    assert env == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "JAX_PLATFORMS": "cpu",
+        "CUDA_VISIBLE_DEVICES": "7",
+        "JT_TEST_VAR": "yes",
+    }
+    assert "JT_TEST_VAR" not in os.environ
+
+
+def test_round_robin_gpu_assignment():
+    gpus = ["0", "1", "2", "3"]
+    env = [_pool_env.worker_env(i, devices_per_worker=None, overrides=None, gpus=gpus) for i in range(5)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1", "2", "3", "0"]
+    env = [_pool_env.worker_env(i, devices_per_worker=2, overrides=None, gpus=gpus) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0,1", "2,3", "0,1"]
+    one = _pool_env.worker_env(0, devices_per_worker=None, overrides={"XLA_PYTHON_CLIENT_PREALLOCATE": None}, gpus=["0"])
+    assert "CUDA_VISIBLE_DEVICES" not in one and one["XLA_PYTHON_CLIENT_PREALLOCATE"] is None
+
+
+def test_forkserver_initializer_and_maxtasksperchild():
+    def init(v):
+        import os
+
+        os.environ["JT_TEST_VAR"] = v
+
+    with jt.Pool(1, init, ("set",), maxtasksperchild=2, start_method="forkserver", shm_threshold=1024) as p:
+        infos = [p.apply(worker_info) for _ in range(4)]
+        assert all(i["env"]["JT_TEST_VAR"] == "set" for i in infos)
+        pids = [i["pid"] for i in infos]
+        assert pids[0] == pids[1] and pids[2] == pids[3] and pids[1] != pids[2]
+        assert float(p.apply(lambda a: a.sum(), (jnp.ones(4096),))) == 4096.0
+
+
+def test_initializer_failure_breaks_pool_without_hanging():
+    def bad_init():
+        raise RuntimeError("no GPU here")
+
+    p = jt.Pool(1, bad_init)
+    try:
+        r = p.apply_async(square, (2,))
+        with pytest.raises(PoolStateError, match="initializer raised RuntimeError"):
+            r.get(60)
+        with pytest.raises(PoolStateError, match="broken"):
+            p.apply(square, (2,))
+    finally:
+        p.terminate()
+
+
+def test_closed_pool_refuses_work():
+    p = jt.Pool(1)
+    p.close()
+    with pytest.raises(PoolStateError):
+        p.apply(square, (1,))
+    with pytest.raises(ValueError):  # as multiprocessing: "Pool not running"
+        p.map(square, [1])
+    p.join()
+    q = jt.Pool(1)
+    with pytest.raises(ValueError, match="close"):
+        q.join()
+    q.terminate()
+    q.join()
+
+
+def test_import_has_no_side_effects():
+    out = run_python(
+        "import sys, threading, atexit, jaxtransport as jt\n"
+        "import multiprocessing as mp\n"
+        "assert mp.active_children() == [] and threading.active_count() == 1\n"
+        "assert 'ray' not in sys.modules\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge._backends, xla_bridge._backends\n"
+        "print('ok', atexit._ncallbacks())\n"
+    )
+    assert out.returncode == 0, out.stderr
