@@ -119,7 +119,8 @@ class RayBackend(Backend):
     local Ray with ``num_cpus=workers`` that ``close()`` shuts down again.
     """
 
-    def __init__(self, workers: int, transport: str, address: str | None):
+    def __init__(self, workers: int, transport: str, address: str | None,
+                 cpu_wait_s: float = 120.0):
         try:
             import ray
         except ImportError as exc:
@@ -151,6 +152,12 @@ class RayBackend(Backend):
             jt_ray.init(**kwargs)
         else:
             ray.init(**kwargs)
+        try:
+            if address is not None:
+                _wait_for_cpus(ray, workers, timeout=cpu_wait_s)
+        except BaseException:
+            self.close()
+            raise
         self._remote = ray.remote(num_cpus=1, max_retries=0)(worker.rollout)
 
     def broadcast(self, params):
@@ -165,6 +172,32 @@ class RayBackend(Backend):
         finally:
             if self._jt_ray is not None:
                 self._jt_ray.unregister()
+
+
+def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
+    """On an existing cluster, wait (up to ``timeout`` s) until it offers ``workers`` CPUs:
+    worker nodes that are still joining (``docker compose up``) would otherwise leave the tasks
+    pending. Fewer CPUs after the wait: run anyway (tasks queue), with a note; none: an error."""
+    import sys
+    import time
+
+    deadline = time.monotonic() + timeout
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus < workers:
+        print(f"waiting up to {timeout:.0f}s for the cluster to offer {workers} CPUs "
+              f"(it has {cpus:g})...", file=sys.stderr, flush=True)
+    while cpus < workers and time.monotonic() < deadline:
+        time.sleep(1.0)
+        cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus < 1:
+        raise RuntimeError(
+            f"the Ray cluster has no CPUs for the rollout tasks after {timeout:.0f}s: start "
+            "worker nodes with CPUs (ray start --address=<head> --num-cpus=N), or run without "
+            "--address to use a local Ray"
+        )
+    if cpus < workers:
+        print(f"note: the cluster offers {cpus:g} CPUs for {workers} workers: tasks will queue",
+              file=sys.stderr, flush=True)
 
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
