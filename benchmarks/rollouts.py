@@ -1,0 +1,131 @@
+"""Rollouts: how many env steps/s does the learner-workers loop reach with jaxtransport vs stock?
+
+The loop of ``python -m jaxtransport.rollouts`` (2 workers, pixel CartPole, REINFORCE learner)
+on the Pool and Ray backends, with the stock transport (``multiprocessing.Pool`` spawn / Ray's
+default serialization) and jaxtransport, measured in the same run with the same seed, at several
+policy sizes (``--param-mb``). Per iteration it records the wall time and its split: compute
+(slowest worker, measured in the worker), learner update, transport (the rest). Figures are
+medians over the iterations after the warm-up. The "compute+learner limit" row is the env
+steps/s the loop would reach if moving the arrays cost nothing.
+
+Targets (issue 6), at the default sizes: jaxtransport >= 3x the env steps/s of stock on the Pool
+backend, >= 2x on Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+
+from jaxtransport import rollouts as demo
+
+PLOT_X = "param_mb"
+PLOT_XLABEL = "policy size (MiB of parameters broadcast per iteration)"
+PLOT_Y = "env_steps_per_s"
+PLOT_YLABEL = "env steps/s"
+LIMIT_TRANSPORTS = ("compute+learner limit",)
+
+DEFAULT_MB = demo.Config().param_mb
+TARGETS = {"pool": 3.0, "ray": 2.0}
+
+
+def _backends() -> list[str]:
+    out = ["pool"]
+    try:
+        import ray  # noqa: F401
+
+        out.append("ray")
+    except ImportError:
+        print("# ray not installed: skipping the Ray backend", flush=True)
+    return out
+
+
+def _median(result: demo.RunResult, field: str) -> float:
+    return statistics.median(getattr(it, field) for it in result.timed)
+
+
+def run(quick: bool = False, backends: list[str] | None = None,
+        sizes: list[float] | None = None, iterations: int | None = None) -> list[dict]:
+    sizes = sizes or ([DEFAULT_MB] if quick else [8.0, DEFAULT_MB, 128.0])
+    iterations = iterations or (8 if quick else 16)
+    rows: list[dict] = []
+    for backend in backends or _backends():
+        for mb in sizes:
+            cfg = demo.Config(backend=backend, param_mb=mb, iterations=iterations, warmup=2)
+            results = {}
+            for transport in ("stock", "jaxtransport"):
+                print(f"# rollouts: {backend}/{transport}, {mb:g} MiB policy, "
+                      f"{iterations} iterations", flush=True)
+                results[transport] = demo.train(cfg, transport, out=io.StringIO(),
+                                                err=io.StringIO())
+            same = results["stock"].returns == results["jaxtransport"].returns
+            steps = cfg.workers * cfg.envs * cfg.steps
+            rate = {t: steps / _median(r, "wall_s") for t, r in results.items()}
+            for transport, r in results.items():
+                moved = _median(r, "bytes_moved")
+                transport_s = _median(r, "transport_s")
+                rows.append({
+                    "name": f"rollouts-{backend}",
+                    "size_bytes": int(moved),
+                    "transport": transport,
+                    "seconds": _median(r, "wall_s"),
+                    "gbps": moved / transport_s / 1e9 if transport_s > 0 else float("inf"),
+                    "ratio": rate[transport] / rate["stock"],
+                    "env_steps_per_s": rate[transport],
+                    "param_mb": mb,
+                    "transport_s": transport_s,
+                    "compute_s": _median(r, "compute_s"),
+                    "learner_s": _median(r, "learner_s"),
+                    "final_return": statistics.mean(r.returns[-3:]),
+                    "curves_identical": same,
+                })
+                print(f"  {transport:13s} {rate[transport]:10,.0f} env steps/s  "
+                      f"transport {transport_s:.3f}s  compute {rows[-1]['compute_s']:.3f}s  "
+                      f"learner {rows[-1]['learner_s']:.3f}s  "
+                      f"speedup {rows[-1]['ratio']:.2f}x", flush=True)
+            jt = results["jaxtransport"]
+            free = _median(jt, "compute_s") + _median(jt, "learner_s")
+            rows.append({
+                "name": f"rollouts-{backend}",
+                "size_bytes": int(_median(jt, "bytes_moved")),
+                "transport": "compute+learner limit",
+                "seconds": free,
+                "env_steps_per_s": steps / free,
+                "ratio": steps / free / rate["stock"],
+                "param_mb": mb,
+            })
+    return rows
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        backend = r["name"].removeprefix("rollouts-")
+        if r["transport"] != "jaxtransport" or r["param_mb"] != DEFAULT_MB:
+            continue
+        target = TARGETS[backend]
+        ok = r["ratio"] >= target
+        out.append(
+            f"{'PASS' if ok else 'MISS'} {backend}: jaxtransport {r['env_steps_per_s']:,.0f} "
+            f"env steps/s = {r['ratio']:.2f}x stock (target >= {target:g}x); learning curves "
+            f"identical: {'yes' if r['curves_identical'] else 'NO'}"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="default policy size only, 8 iterations")
+    p.add_argument("--backend", action="append", choices=("pool", "ray"),
+                   help="only this backend (repeatable)")
+    args = p.parse_args(argv)
+    rows = run(args.quick, backends=args.backend)
+    for line in check_targets(rows):
+        print(line)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
