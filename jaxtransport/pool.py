@@ -466,7 +466,10 @@ class _State:
                 self.workers.remove(w)
             lost = list(w.outstanding)
             w.outstanding.clear()
-            running, queued = (lost[0], lost[1:]) if lost else (None, [])
+            if w.ready:
+                running, queued = (lost[0], lost[1:]) if lost else (None, [])
+            else:  # it died before it could start any task: they all run elsewhere
+                running, queued = None, lost
             for chunk in reversed(queued):  # never started: run them elsewhere
                 self.arena.transfer(chunk.enc.handles, w.key, chunk.key)
                 self.pending.appendleft(chunk)
