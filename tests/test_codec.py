@@ -635,3 +635,15 @@ def test_rebuild_path_is_stable():
     assert _rebuild_array.__module__ == "jaxtransport._pickling"
     assert _codec.FORMAT_VERSION == 1
     assert "jaxtransport._pickling" in sys.modules
+
+
+def test_copy_and_deepcopy_unaffected_by_register():
+    import copy
+
+    jt.register()
+    try:
+        for x in (make("bfloat16", (3, 2)), jax.random.key(0, impl="rbg"), jnp.asarray(1.0)):
+            for fn in (copy.copy, copy.deepcopy):
+                assert_same(x, fn(x))
+    finally:
+        jt.unregister()
