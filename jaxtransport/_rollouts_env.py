@@ -71,9 +71,10 @@ def step(state: EnvState, action: jax.Array, key: jax.Array):
     """Advance one environment by one step; reset it when the episode ends.
 
     ``action`` is 0 (push left) or 1 (push right). Returns ``(next_state, reward, done,
-    finished_return)`` where ``done`` says the episode ended at this step (failure or
-    truncation), ``next_state`` is then a fresh episode, and ``finished_return`` is the ended
-    episode's return (0 when ``done`` is false).
+    failed, finished_return)`` where ``done`` says the episode ended at this step (failure or
+    truncation at ``MAX_STEPS``), ``failed`` that it ended by failure (a true terminal state;
+    a truncated episode could have gone on), ``next_state`` is then a fresh episode, and
+    ``finished_return`` is the ended episode's return (0 when ``done`` is false).
     """
     force = jnp.where(action == 1, FORCE_MAG, -FORCE_MAG)
     cos, sin = jnp.cos(state.theta), jnp.sin(state.theta)
@@ -93,7 +94,7 @@ def step(state: EnvState, action: jax.Array, key: jax.Array):
     stepped = EnvState(x, x_dot, theta, theta_dot, steps, ep_return)
     fresh = reset(key)
     next_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, stepped)
-    return next_state, jnp.float32(1.0), done, jnp.where(done, ep_return, 0.0)
+    return next_state, jnp.float32(1.0), done, failed, jnp.where(done, ep_return, 0.0)
 
 
 def _geometry(frame_size: int):

@@ -4,8 +4,8 @@
 reference). It runs ``envs`` environments for ``steps`` steps under ``lax.scan``, vmapped over
 the environments, acting with the broadcast parameters, and returns the trajectory as jax arrays,
 time-major: ``frames`` (steps + 1, envs, S, S) uint8 -- the previous frame of step 0, then each
-step's observation --, ``firsts``/``dones`` (steps, envs) bool, ``actions`` int32, ``rewards``
-float32, plus the environments' carry (to continue the episodes next iteration) and the seconds
+step's observation --, ``firsts``/``dones``/``failures`` (steps, envs) bool, ``actions`` int32,
+``rewards`` float32, plus the environments' carry (to continue the episodes next iteration) and the seconds
 spent computing (measured in the worker, compilation excluded after the first call).
 
 ``learn`` is the learner's jitted REINFORCE step. It reads the frames back: the policy's inputs
@@ -39,7 +39,8 @@ class Trajectory(NamedTuple):
     firsts: jax.Array  # (T, E) bool
     actions: jax.Array  # (T, E) int32
     rewards: jax.Array  # (T, E) float32
-    dones: jax.Array  # (T, E) bool
+    dones: jax.Array  # (T, E) bool: an episode ended at this step
+    failures: jax.Array  # (T, E) bool: ... by failure (not by truncation at MAX_STEPS)
     finished_return_sum: jax.Array  # () float32: sum of returns of episodes ended this rollout
     finished_count: jax.Array  # () int32
 
@@ -65,14 +66,15 @@ def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
         prev = jnp.where(first[:, None], seen, prev_seen)
         logits = policy.apply(params, env.features(prev, seen))
         action = jax.random.categorical(k_act, logits).astype(jnp.int32)
-        nxt, reward, done, finished = jax.vmap(env.step)(
+        nxt, reward, done, failed, finished = jax.vmap(env.step)(
             state, action, jax.random.split(k_reset, envs)
         )
-        out = (cur, first, action, reward * jnp.ones((envs,), jnp.float32), done, finished)
+        out = (cur, first, action, reward * jnp.ones((envs,), jnp.float32), done, failed,
+               finished)
         return (nxt, seen, done), (out, state)
 
     init = (carry.state, env.read_frame(prev0, frame_size), carry.first)
-    (state, _, first), ((frames, firsts, actions, rewards, dones, finished), states) = (
+    (state, _, first), ((frames, firsts, actions, rewards, dones, failed, finished), states) = (
         jax.lax.scan(body, init, jax.random.split(key, steps))
     )
     last = jax.tree.map(lambda s: s[-1], states)
@@ -82,6 +84,7 @@ def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
         actions=actions,
         rewards=rewards,
         dones=dones,
+        failures=failed,
         finished_return_sum=finished.sum(),
         finished_count=dones.sum(dtype=jnp.int32),
     )
@@ -115,18 +118,26 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
           entropy_coef: float):
     """One REINFORCE step on the trajectories of all workers. Returns ``(params, opt, loss)``.
 
-    Advantages are reward-to-go returns standardized over the whole batch (see
+    Advantages are reward-to-go returns minus the mean at the same step, standardized (see
     ``_rollouts_policy.update`` for the step). ``params`` and ``opt`` are donated: the table's
     sparse update happens in place.
     """
     feats, acts, rets = [], [], []
     for traj in trajs:
-        feats.append(_features(traj, frame_size).reshape(-1, 4))
-        acts.append(traj.actions.reshape(-1))
-        g = policy.discounted_returns(traj.rewards.T, traj.dones.T, gamma).T
-        rets.append(g.reshape(-1))
-    feats, acts, rets = jnp.concatenate(feats), jnp.concatenate(acts), jnp.concatenate(rets)
-    adv = (rets - rets.mean()) / (rets.std() + 1e-6)
+        feats.append(_features(traj, frame_size))  # (T, E, 4)
+        acts.append(traj.actions)
+        # Returns are cut at failures only: an episode truncated at MAX_STEPS could have gone
+        # on, and treating the time limit as a terminal state would punish the actions that
+        # led to it (Pardo et al. 2018, "Time Limits in Reinforcement Learning"). The next
+        # episode's rewards stand in for the truncated one's future.
+        rets.append(policy.discounted_returns(traj.rewards.T, traj.failures.T, gamma).T)
+    feats, acts, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, rets))
+    # Baseline: the mean return at the same step across all environments. Every rollout is cut
+    # after `steps` steps, so late steps see fewer future rewards whatever the actions were; a
+    # per-step baseline removes that bias (a batch-wide mean would blame late actions).
+    adv = rets - rets.mean(axis=1, keepdims=True)
+    adv = (adv / (adv.std() + 1e-6)).reshape(-1)
+    feats, acts = feats.reshape(-1, 4), acts.reshape(-1)
     return policy.update(params, opt, policy.Batch(feats, acts, adv), lr, table_lr, entropy_coef)
 
 

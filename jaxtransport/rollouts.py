@@ -46,14 +46,14 @@ class Config:
     backend: str = "pool"
     address: str | None = None
     workers: int = 2
-    iterations: int = 30
+    iterations: int = 50
     envs: int = 16
     steps: int = 128
     frame_size: int = 84
     param_mb: float = 32.0
     hidden: int = 64
-    lr: float = 0.01
-    table_lr: float = 0.3
+    lr: float = 0.003
+    table_lr: float = 0.15
     gamma: float = 0.99
     entropy_coef: float = 0.01
     seed: int = 0

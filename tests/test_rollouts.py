@@ -54,25 +54,26 @@ def test_physics_match_gym_cartpole():
                      jnp.float32(0))
     ref = (0.01, -0.02, 0.03, 0.04)
     for t, action in enumerate([1, 1, 0, 1, 0, 0, 1]):
-        s, reward, done, finished = env.step(s, jnp.int32(action), jax.random.key(t))
+        s, reward, done, failed, finished = env.step(s, jnp.int32(action), jax.random.key(t))
         ref = _gym_step(ref, action)
         np.testing.assert_allclose([s.x, s.x_dot, s.theta, s.theta_dot], ref, rtol=1e-5,
                                    atol=1e-6)
-        assert float(reward) == 1.0 and not bool(done) and float(finished) == 0.0
+        assert float(reward) == 1.0 and not bool(done) and not bool(failed)
+        assert float(finished) == 0.0
         assert int(s.steps) == t + 1 and float(s.ep_return) == t + 1
 
 
 def test_episode_ends_and_resets():
     s = env.EnvState(jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.2), jnp.float32(2.0),
                      jnp.int32(41), jnp.float32(41.0))
-    s, _, done, finished = env.step(s, jnp.int32(0), jax.random.key(0))
-    assert bool(done) and float(finished) == 42.0
+    s, _, done, failed, finished = env.step(s, jnp.int32(0), jax.random.key(0))
+    assert bool(done) and bool(failed) and float(finished) == 42.0
     assert int(s.steps) == 0 and float(s.ep_return) == 0.0
     assert all(abs(float(v)) <= 0.05 for v in (s.x, s.x_dot, s.theta, s.theta_dot))
     # Truncation at MAX_STEPS counts as an episode end too.
     s = s._replace(steps=jnp.int32(env.MAX_STEPS - 1), ep_return=jnp.float32(env.MAX_STEPS - 1))
-    _, _, done, finished = env.step(s, jnp.int32(1), jax.random.key(1))
-    assert bool(done) and float(finished) == env.MAX_STEPS
+    _, _, done, failed, finished = env.step(s, jnp.int32(1), jax.random.key(1))
+    assert bool(done) and not bool(failed) and float(finished) == env.MAX_STEPS
 
 
 @pytest.mark.parametrize("frame_size", [32, 84])
@@ -195,7 +196,7 @@ def test_return_improves_with_a_fixed_seed(monkeypatch):
     first's. Deterministic (fixed seed, XLA CPU), so this cannot flake."""
     monkeypatch.setattr(rollouts.backends, "make", _Inline)
     cfg = rollouts.Config(workers=2, envs=8, steps=64, frame_size=32, param_mb=1,
-                          iterations=10, seed=0)
+                          iterations=10, seed=0, lr=0.01, table_lr=0.3)
     result = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
     returns = result.returns
     assert len(returns) == 10 and all(r > 0 for r in returns)
