@@ -283,12 +283,12 @@ def decode(
     for i, e in enumerate(entries):
         try:
             resolved.append(materialize(e, mapper, placement, own, trees, readonly))
-        except BaseException:
-            # The sender still counts a reference for every slot this message carried: give
-            # back the ones not yet wrapped in a holder (the wrapped ones go when they die).
-            for later in entries[i + 1 :]:
-                if isinstance(later, tuple) and later and later[0] in ("np", "jax"):
-                    mapper.pending.append(later[3])
+        except BaseException as err:
+            # The sender still counts a reference for every slot this message carried. Slots
+            # wrapped in a holder are released when the holder dies; tell the caller which
+            # entries never got one (this one, if its handle was rejected, and all later ones).
+            rejected = isinstance(err, ShmHandleError)
+            err.unheld = ([i] if rejected else []) + list(range(i + 1, len(entries)))
             raise
     token = _pickling._placement_override.set(placement)
     try:

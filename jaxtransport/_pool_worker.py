@@ -170,7 +170,7 @@ class _Worker:
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
-        if now - self._wait_start > _CAPACITY_GRACE_S:
+        if now - self._wait_start > self.cfg.get("grace", _CAPACITY_GRACE_S):
             return False
         cond.release()
         try:
@@ -216,7 +216,8 @@ class _Worker:
             if self.backlog:
                 msg = self.backlog.pop(0)
             else:
-                msg = self.recv(_RELEASE_FLUSH_S if (self.mapper.pending or self.arena._forgotten) else None)
+                busy = self.mapper.pending or self.arena._forgotten
+                msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -240,8 +241,13 @@ class _Worker:
         for h in releases:
             self.arena.release(h, "parent")
         ok = True
+        unheld = ()
         try:
-            fn, mode, items = self.wire.decode(data, entries, self.mapper, self.placement, trees=self.tree)
+            try:
+                fn, mode, items = self.wire.decode(data, entries, self.mapper, self.placement, trees=self.tree)
+            except BaseException as e:
+                unheld = getattr(e, "unheld", ())
+                raise
             del data, entries, msg
             if mode == "apply":
                 out = [fn(*a, **k) for a, k in items]
@@ -281,7 +287,7 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(("F", forgotten))
-        self.send(("R", chunk_id, ok, enc.data, enc.entries, rel))
+        self.send(("R", chunk_id, ok, enc.data, enc.entries, rel, tuple(unheld)))
 
 
 def _pack_error(e: BaseException, note: str | None = None):

@@ -199,7 +199,7 @@ class _State:
         cfg = pickle.dumps({
             "env": env, "parent_pid": os.getpid(), "threshold": self.threshold,
             "placement": self.placement, "capacity": self.arena.capacity,
-            "initializer": self.init_blob, "maxtasks": self.maxtasks,
+            "initializer": self.init_blob, "maxtasks": self.maxtasks, "grace": _CAPACITY_GRACE_S,
         })
         from ._pool_worker import worker_main
 
@@ -329,8 +329,10 @@ class _State:
                 rec = tree._rec
                 rec.users -= 1
                 self._maybe_free_tree(rec)
+        result, chunk.result = chunk.result, None
         try:
-            chunk.result._chunk_done(chunk.index, ok, value)
+            if result is not None:
+                result._chunk_done(chunk.index, ok, value)
         finally:
             with self.space:
                 self.space.notify_all()
@@ -389,7 +391,7 @@ class _State:
         msg = pickle.loads(raw)
         kind = msg[0]
         if kind == "R":
-            _, chunk_id, ok, data, entries, releases = msg
+            _, chunk_id, ok, data, entries, releases, unheld = msg
             with self.lock:
                 chunk = None
                 for i, c in enumerate(w.outstanding):
@@ -401,6 +403,9 @@ class _State:
                 value = _pool_wire.decode(data, entries, w.mapper, self.placement, own=self._own_holder)
             except BaseException as e:  # noqa: BLE001 - this task's failure only
                 ok, value = False, e
+                for i in getattr(e, "unheld", ()):
+                    if entries[i][0] in ("np", "jax"):
+                        w.mapper.pending.append(entries[i][3])  # never held here: give back
             else:
                 if not ok:
                     exc, tb = value
@@ -409,6 +414,13 @@ class _State:
             del data, entries
             for h in releases:
                 self.arena.release(h, w.key)
+            if chunk is not None and unheld:  # the worker could not take these arguments
+                ours = [e for e in chunk.enc.entries if e[0] in ("np", "jax")]
+                slots = dict(zip(map(id, ours), chunk.enc.handles))
+                for i in unheld:
+                    h = slots.get(id(chunk.enc.entries[i])) if i < len(chunk.enc.entries) else None
+                    if h is not None:
+                        self.arena.release(h, w.key)
             if chunk is not None:
                 self._finish_chunk(chunk, ok, value)
             del value
@@ -536,6 +548,8 @@ class _State:
                 ready = wait(objs, timeout=0.2)
             except OSError:
                 ready = []
+            if any(w.mapper.live for w in workers):
+                _shm.collect_deferred()  # see collect_deferred: lets dead results release
             self.drain_self_releases()
             for obj in ready:
                 if self.terminated:
@@ -584,6 +598,7 @@ class _State:
                     self._send(w, what)
             except (OSError, EOFError, ValueError):
                 pass  # the worker died: the manager sees its sentinel and handles its tasks
+            del item, w, what  # hold no chunk (nor, through it, a result) while idle
 
     def _send(self, w: _WorkerRec, msg) -> None:
         w.conn.send_bytes(pickle.dumps(msg, protocol=5))

@@ -1,0 +1,303 @@
+"""Pool memory (issue 4): recycling without fresh pages, zero-copy receive with safe lifetime,
+share(), handles back instead of copies, capacity, bad handles, slots of dead workers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtransport as jt
+from jaxtransport import _pool_wire, pool as pool_mod
+from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+MIB = 1 << 20
+
+
+def minflt(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def worker():
+    from jaxtransport import _pool_worker
+
+    return _pool_worker.CURRENT
+
+
+_KEEP = []
+
+
+def produce(value, n):
+    """A result the worker already has (so only the transfer touches memory)."""
+    import jax.numpy as jnp
+
+    key = ("produce", n)
+    cache = globals().setdefault("_CACHE", {})
+    if key not in cache:
+        cache[key] = {v: jnp.full((n,), v, jnp.float32) for v in range(4)}
+    return cache[key][value % 4]
+
+
+def consume(x):
+    return float(x[-1])
+
+
+def pid_and_stats(_=None):
+    w = worker()
+    return os.getpid(), w.arena.segments_created
+
+
+@pytest.fixture
+def pool1():
+    p = jt.Pool(1)
+    yield p
+    p.close()
+    p.join()
+
+
+def test_steady_state_recycles_memory_and_touches_no_fresh_pages(pool1):
+    p = pool1
+    n = 8 * MIB // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    for v in range(3):  # warm up: segments made, mapped and touched on both sides
+        assert p.apply(consume, (x,)) == n - 1
+        assert float(p.apply(produce, (v, n))[0]) == v
+    gc.collect()
+    wpid, wsegs = p.apply(pid_and_stats)
+    psegs = p._state.arena.segments_created
+    pf, wf = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, minflt(wpid)
+    reps = 5
+    for v in range(reps):
+        assert p.apply(consume, (x,)) == n - 1
+        r = p.apply(produce, (v, n))
+        assert float(r[7]) == v % 4
+        del r
+    pf, wf = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - pf, minflt(wpid) - wf
+    pages = reps * 2 * x.nbytes // os.sysconf("SC_PAGE_SIZE")
+    assert p._state.arena.segments_created == psegs
+    assert p.apply(pid_and_stats)[1] == wsegs
+    assert pf < pages // 10, f"parent: {pf} minor faults while {pages} pages moved"
+    assert wf < pages // 10, f"worker: {wf} minor faults while {pages} pages moved"
+
+
+def test_live_results_keep_their_values_while_slots_recycle(pool1):
+    p = pool1
+    n = 2 * MIB // 4
+    held = [p.apply(produce, (v, n)) for v in range(3)]
+    view = np.asarray(p.apply(produce, (3, n)))  # only a numpy view of the array survives
+    ptrs = {a.unsafe_buffer_pointer() for a in held} | {view.ctypes.data}
+    assert len(ptrs) == 4  # four distinct slots: none handed out twice while held
+    for v in range(12):  # churn: recycled slots get overwritten
+        del_me = p.apply(produce, (v, n))
+        del del_me
+        gc.collect()
+    for v, a in enumerate(held):
+        assert float(a.min()) == float(a.max()) == v
+    assert view.min() == view.max() == 3
+    in_use = p._state.workers[0].mapper.live
+    assert len(in_use) >= 4
+    del held, view, a
+    gc.collect()
+    assert wait_until(lambda: not p._state.workers[0].mapper.live, 5)
+
+
+def clear_keep():
+    _KEEP.clear()
+
+
+def kept_minima():
+    return [float(a.min()) for a in _KEEP]
+
+
+def keep_and_check(x, value):
+    _KEEP.append((x, value))
+    return all(float(a.min()) == float(a.max()) == v for a, v in _KEEP)
+
+
+def test_worker_side_live_arrays_keep_values(pool1):
+    p = pool1
+    n = 2 * MIB // 4
+    for v in range(6):
+        assert p.apply(keep_and_check, (jnp.full((n,), v, jnp.float32), v))
+    # the parent's slots stay held while the worker keeps the arrays
+    assert p._state.arena.in_use() >= 6 * 2 * MIB
+    p.apply(clear_keep)
+    assert wait_until(lambda: p._state.arena.in_use() == 0, 5)
+
+
+def tree_identity(args):
+    tree, seed = args
+    w = worker()
+    leaf = tree["w"]
+    return os.getpid(), id(tree), w.mapper.find(leaf.unsafe_buffer_pointer(), leaf.nbytes) is not None, float(leaf[seed])
+
+
+def test_share_broadcast_once_cached_per_worker_and_released():
+    with jt.Pool(2) as p:
+        arena = p._state.arena
+        params = {"w": jnp.arange(4 * MIB // 4, dtype=jnp.float32), "b": jnp.ones(3)}
+        before = arena.in_use()
+        shared = p.share(params)
+        assert arena.in_use() - before == jax.tree_util.tree_leaves(params)[1].nbytes  # one copy
+        assert shared.nbytes == params["w"].nbytes and shared.tree is params
+        out = p.map(tree_identity, [(shared, i) for i in range(16)], chunksize=1)
+        by_pid = {}
+        for pid, ident, aliased, val in out:
+            by_pid.setdefault(pid, set()).add(ident)
+            assert aliased  # the worker's array aliases the shared copy
+        assert all(len(ids) == 1 for ids in by_pid.values())  # materialized once per worker
+        assert [o[3] for o in out] == [float(i) for i in range(16)]
+        assert arena.in_use() - before == params["w"].nbytes  # still one copy
+        shared.release()
+        shared.release()  # harmless
+        assert shared.released
+        with pytest.raises(PoolStateError, match="released"):
+            p.apply(tree_identity, ((shared, 0),))
+        assert wait_until(lambda: arena.in_use() == before, 10)
+        with pytest.raises(PoolStateError, match="only travels"):
+            __import__("pickle").dumps(shared)
+
+
+def hold_tree(args):
+    tree, _ = args
+    _KEEP.append(tree["w"])
+    return float(tree["w"][0])
+
+
+def test_shared_tree_released_while_a_worker_still_uses_it():
+    with jt.Pool(1) as p:
+        n = 2 * MIB // 4
+        s1 = p.share({"w": jnp.full((n,), 1.0)})
+        assert p.apply(hold_tree, ((s1, 0),)) == 1.0
+        s1.release()
+        gc.collect()
+        time.sleep(0.3)
+        assert p._state.arena.in_use() > 0  # the worker still holds it
+        with p.share({"w": jnp.full((n,), 2.0)}) as s2:
+            assert p.apply(hold_tree, ((s2, 0),)) == 2.0
+            assert p.apply(kept_minima) == [1.0, 2.0]
+        p.apply(clear_keep)
+        assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+
+
+def test_shared_tree_dropped_without_release_is_freed():
+    with jt.Pool(1) as p:
+        s = p.share({"w": jnp.ones(MIB)})
+        assert p.apply(lambda t: float(t["w"].sum()), (s,)) == MIB
+        del s
+        gc.collect()
+        assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+
+
+def test_shared_input_returned_unchanged_comes_back_as_a_handle():
+    with jt.Pool(1) as p:
+        arena = p._state.arena
+        s = p.share({"w": jnp.arange(MIB, dtype=jnp.float32)})
+        h = s._rec.enc.handles[0]
+        seg = arena.segment(h[0])
+        back = p.apply(lambda t: t["w"], (s,))
+        assert back.unsafe_buffer_pointer() == seg.addr + h[1]  # our own slot: no copy
+        assert p._state.workers[0].mapper.live == {}  # nothing came through worker memory
+        np.testing.assert_array_equal(np.asarray(back[:5]), np.arange(5))
+        s.release()
+        gc.collect()
+        time.sleep(0.3)
+        assert arena.in_use() > 0  # `back` still aliases it
+        assert float(back[-1]) == MIB - 1
+        del back
+        gc.collect()
+        assert wait_until(lambda: arena.in_use() == 0, 10)
+
+
+def test_arrays_alive_in_worker_when_pool_closes():
+    p = jt.Pool(1)
+    p.apply(keep_and_check, (jnp.ones(MIB), 1))
+    s = p.share({"w": jnp.ones(MIB)})
+    p.apply(hold_tree, ((s, 0),))
+    result = p.apply(produce, (2, MIB))
+    p.close()
+    p.join()
+    assert float(result[0]) == 2.0  # the parent's received array outlives the pool
+
+
+def test_worker_killed_while_holding_slots_reclaims_them(pool1):
+    p = pool1
+    for v in range(3):
+        p.apply(keep_and_check, (jnp.full((MIB,), v, jnp.float32), v))
+    pid = p.apply(os.getpid)
+    assert p._state.arena.in_use() >= 3 * 4 * MIB
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+    assert p.apply(keep_and_check, (jnp.ones(MIB), 1))  # a fresh worker
+
+
+def test_capacity_reached_waits_while_tasks_drain():
+    with jt.Pool(1, shm_capacity=8 * MIB) as p:
+        xs = [jnp.full((3 * MIB // 4,), v, jnp.float32) for v in range(8)]
+        # at most two 3 MiB arguments fit: the caller waits for each task to release its slot
+        assert p.map(consume, xs, chunksize=1) == [float(v) for v in range(8)]
+
+
+def test_capacity_reached_with_nothing_in_flight_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(pool_mod, "_CAPACITY_GRACE_S", 0.3)
+    with jt.Pool(1, shm_capacity=8 * MIB) as p:
+        s1 = p.share({"w": jnp.ones(3 * MIB // 4)})
+        s2 = p.share({"w": jnp.ones(3 * MIB // 4)})
+        start = time.monotonic()
+        with pytest.raises(ShmCapacityError, match="shm_capacity=8388608") as info:
+            p.share({"w": jnp.ones(3 * MIB // 4)})
+        assert time.monotonic() - start < 30
+        assert "SharedTree.release()" in str(info.value)
+        with pytest.raises(ShmCapacityError, match="larger than shm_capacity"):
+            p.share({"w": jnp.ones(3 * MIB)})
+        # the worker side: results the caller keeps fill the worker's memory
+        held = [p.apply(produce, (v, 3 * MIB // 4)) for v in range(2)]
+        with pytest.raises(ShmCapacityError):
+            p.apply(produce, (3, 3 * MIB // 4))
+        del held
+        gc.collect()
+        assert float(p.apply(produce, (3, 3 * MIB // 4))[0]) == 3.0  # released: works again
+        s1.release()
+        s2.release()
+
+
+def test_bad_handle_fails_only_its_task(monkeypatch, pool1):
+    p = pool1
+    real = _pool_wire.commit
+
+    def corrupt(prep, **kw):
+        enc = real(prep, **kw)
+        if enc.entries and kw.get("borrower", ("",))[0] == "chunk":
+            kind, dtype, shape, h = enc.entries[0]
+            enc.entries[0] = (kind, dtype, shape, (h[0], h[1] + (1 << 40), h[2], h[3]))
+        return enc
+
+    good = p.apply_async(consume, (jnp.ones(MIB),))
+    monkeypatch.setattr(_pool_wire, "commit", corrupt)
+    bad = p.apply_async(lambda a: a.sum(), (np.ones(MIB),))
+    monkeypatch.setattr(_pool_wire, "commit", real)
+    with pytest.raises(ShmHandleError, match="outside segment"):
+        bad.get(60)
+    assert good.get(60) == 1.0
+    assert p.apply(consume, (jnp.ones(MIB),)) == 1.0
+    assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+
+
+def test_gpu_receivers_release_after_copy_or_cpu_aliases():
+    """On a GPU receiver decode copies to the device, so the slot is released at once; on CPU
+    the array aliases the slot. Either way the accounting follows the holder."""
+    with jt.Pool(1) as p:
+        out = p.apply(lambda x: (jax.default_backend(), len(worker().mapper.live)), (jnp.ones(MIB),))
+    backend, live = out
+    assert live == (1 if backend == "cpu" else 0)
