@@ -561,3 +561,54 @@ def test_other_serialization_errors_are_still_rays(registered):
 
     with pytest.raises(TypeError, match="Could not serialize"):
         ray.put(threading.Lock())
+
+
+@pytest.mark.ray
+def test_tracer_of_an_unregistered_tracer_class_still_gets_our_error(registered):
+    """A Tracer class defined after register() is not in Ray's table: JAX's own __reduce__
+    refuses it, and the call site still gets TracerTransportError with the path."""
+    from jaxtransport._tracers import tracer_types
+
+    table = ray.cloudpickle.CloudPickler.dispatch.maps[0]
+    removed = {t: table.pop(t) for t in tracer_types() if t in table}
+    errors = []
+
+    @jax.jit
+    def f(x):
+        try:
+            ray.put({"k": x})
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        return x
+
+    try:
+        f(jnp.ones(2))
+    finally:
+        table.update(removed)
+    (err,) = errors
+    assert type(err) is jaxtransport.TracerTransportError and err.path == "value['k']"
+
+
+@pytest.mark.ray
+def test_donating_an_aliased_result_does_not_write_into_the_object_store(registered):
+    x = make("float32", (1 << 16,))
+    ref = ray.put(x)
+    y = ray.get(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Some donated buffers were not usable" is fine
+        out = jax.jit(lambda a: a * 0 + 1, donate_argnums=0)(y)
+    assert float(out[0]) == 1.0
+    assert bits(ray.get(ref)) == bits(x)  # the shared object is untouched
+
+
+@pytest.mark.ray
+def test_64_bit_array_to_a_worker_without_x64_fails_clearly(registered):
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = jnp.arange(4, dtype=jnp.float64)
+        with pytest.raises(ray.exceptions.RayError, match="JAX_ENABLE_X64") as info:
+            ray.get(echo.remote(x))
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert "64-bit types disabled" in str(info.value)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -159,7 +161,14 @@ print("REPORT" + json.dumps(report))
 
 @pytest.fixture(scope="module")
 def cluster_report():
-    r = run_python(SCRIPT, timeout=240)
+    # Cluster() records its address in $RAY_TMPDIR/ray/ray_current_cluster, where any plain
+    # ray.init() on this machine would find and join it: keep it (and the session logs) in a
+    # private, short (unix socket paths) directory that is removed afterwards.
+    tmp = tempfile.mkdtemp(prefix="jtray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        r = run_python(SCRIPT, env={"RAY_TMPDIR": tmp}, timeout=240)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
     assert r.returncode == 0 and lines, f"cluster script failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return json.loads(lines[-1][len("REPORT"):])
