@@ -142,6 +142,22 @@ def test_import_jaxtransport_ray_registers_and_starts_nothing():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
+def test_setup_hook_does_not_start_a_jax_backend():
+    """The hook runs in every worker of the job: it must not initialise JAX's backend (on a GPU
+    host that would grab device memory in workers that never use JAX)."""
+    r = run_python(
+        "import os\n"
+        "os.environ['JAXTRANSPORT_RAY_PLACEMENT'] = 'preserve'\n"
+        "import jaxtransport.ray as jr\n"
+        "jr._setup_worker()\n"
+        "from jax._src import xla_bridge\n"
+        "assert jr.is_registered() and jr._placement == 'preserve'\n"
+        "assert not xla_bridge._backends, 'backend started'\n"
+        "print('ok')"
+    )
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
 def test_missing_ray_raises_import_error_naming_the_extra():
     r = run_python(
         "import sys\n"
