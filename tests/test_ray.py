@@ -142,16 +142,20 @@ def test_import_jaxtransport_ray_registers_and_starts_nothing():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
-def test_setup_hook_does_not_start_a_jax_backend():
-    """The hook runs in every worker of the job: it must not initialise JAX's backend (on a GPU
-    host that would grab device memory in workers that never use JAX)."""
+def test_setup_hook_chains_an_import_path_and_does_not_start_a_jax_backend():
+    """The hook runs in every worker of the job: it registers with the job's placement, runs
+    the user's chained hook, and does not initialise JAX's backend (on a GPU host that would
+    grab device memory in workers that never use JAX)."""
     r = run_python(
         "import os\n"
         "os.environ['JAXTRANSPORT_RAY_PLACEMENT'] = 'preserve'\n"
-        "import jaxtransport.ray as jr\n"
+        "os.environ['JAXTRANSPORT_RAY_USER_HOOK'] = 'faulthandler.enable'\n"  # a chained hook
+        "import faulthandler, jaxtransport.ray as jr\n"
+        "assert not faulthandler.is_enabled()\n"
         "jr._setup_worker()\n"
         "from jax._src import xla_bridge\n"
         "assert jr.is_registered() and jr._placement == 'preserve'\n"
+        "assert faulthandler.is_enabled(), 'the chained user hook did not run'\n"
         "assert not xla_bridge._backends, 'backend started'\n"
         "print('ok')"
     )
