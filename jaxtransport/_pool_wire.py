@@ -2,7 +2,7 @@
 
 ``encode(obj, ...)`` pickles ``obj`` with cloudpickle (lambdas, closures, ``__main__`` code) and
 jaxtransport's array reducers; every ``jax.Array`` and ``numpy.ndarray`` of at least
-``threshold`` bytes, anywhere in ``obj``, is replaced by a persistent id and listed as an
+``threshold`` bytes, anywhere in ``obj``, is replaced by ``_entry(k)`` and listed as an
 *entry*. Only after pickling succeeded (so a Tracer or an unpicklable object fails before any
 shared memory is touched) each entry's bytes are copied once into a slot of the sender's
 :class:`~jaxtransport._shm.Arena`; an entry that already lives in memory received from the peer
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -44,43 +45,148 @@ class Encoded:
         self.data, self.entries, self.handles, self.trees, self.segs = data, entries, handles, trees, segs
 
 
-class _Encoder(_pickling._Pickler):
-    def __init__(self, file, threshold: int, tree_type: type | None):
-        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+_decoding = threading.local()  # .resolved: the entries of the message being unpickled
+
+
+def _entry(k: int) -> Any:
+    """Reconstructor written into pickles for an object that travelled as entry ``k``."""
+    try:
+        return _decoding.resolved[k]
+    except (AttributeError, IndexError, TypeError):
+        raise ShmHandleError(f"Corrupt message: entry {k!r} is not in this message") from None
+
+
+class _Router:
+    """Per-encode state: which objects go to shared memory (``found``) as ``_entry(k)``."""
+
+    def __init__(self, threshold: int, tree_type: type | None):
         self.threshold = threshold
-        self.tree_type = tree_type
         self.found: list[tuple[str, Any]] = []
         self._seen: dict[int, int] = {}
         self.trees: list[Any] = []
-        self.jax_types = _codec.concrete_array_types()
+        route = {t: self._reduce_jax for t in _codec.concrete_array_types()}
+        route[np.ndarray] = self._reduce_np
+        if tree_type is not None:
+            route[tree_type] = self._reduce_tree
+        self.route = route
 
-    def persistent_id(self, obj):
-        t = type(obj)
-        if t is np.ndarray:
-            if obj.nbytes < self.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
-                return None
-            kind = "np"
-        elif t is self.tree_type:
-            if id(obj) not in self._seen:
-                self._seen[id(obj)] = len(self.found)
-                self.found.append(("tree", obj))
-                self.trees.append(obj)
-            return self._seen[id(obj)]
-        elif t in self.jax_types:
-            try:
-                nb = obj.nbytes
-            except Exception:
-                return None
-            if nb < self.threshold or nb == 0:
-                return None
-            kind = "jax"
-        else:
-            return None
+    def _add(self, kind: str, obj: Any):
         k = self._seen.get(id(obj))
         if k is None:
             k = self._seen[id(obj)] = len(self.found)
             self.found.append((kind, obj))
-        return k
+            if kind == "tree":
+                self.trees.append(obj)
+        return _entry, (k,)
+
+    def _reduce_np(self, obj):
+        if obj.nbytes < self.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
+            return obj.__reduce_ex__(_PICKLE_PROTOCOL)
+        return self._add("np", obj)
+
+    def _reduce_jax(self, obj):
+        try:
+            nb = obj.nbytes
+        except Exception:
+            nb = 0
+        if nb < self.threshold or nb == 0:
+            return _pickling._reduce_array(obj)
+        return self._add("jax", obj)
+
+    def _reduce_tree(self, obj):
+        return self._add("tree", obj)
+
+
+class _Encoder(_pickling._Pickler):
+    """cloudpickle (lambdas, closures, ``__main__`` code by value) + jaxtransport reducers,
+    routed through a :class:`_Router` in ``reducer_override`` (which pickle does not call for
+    exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
+
+    def __init__(self, file, router: _Router):
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.router = router
+        self.route = router.route
+
+    def reducer_override(self, obj):
+        r = self.route.get(type(obj))
+        if r is not None:
+            return r(obj)
+        return super().reducer_override(obj)
+
+
+class _Fallback(Exception):
+    pass
+
+
+def _refuse_fast(obj):
+    raise _Fallback
+
+
+_BASE_TABLE: dict = {}
+_BASE_KEY = None
+
+
+def _base_table() -> dict:
+    """copyreg's table plus refusing entries for Tracers (the cloudpickle path names them)."""
+    global _BASE_TABLE, _BASE_KEY
+    import copyreg
+
+    from ._tracers import tracer_types
+
+    key = (len(copyreg.dispatch_table), tuple(copyreg.dispatch_table))
+    if key != _BASE_KEY:
+        table = dict(copyreg.dispatch_table)
+        for t in tracer_types():
+            table[t] = _refuse_fast
+        _BASE_TABLE, _BASE_KEY = table, key
+    return _BASE_TABLE
+
+
+def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
+    """Plain C pickling (no Python call per object), or None when ``obj`` needs cloudpickle:
+    something not picklable by reference (lambdas, closures, local classes) or anything
+    referring to ``__main__`` (which a spawned worker may not be able to import)."""
+    import cloudpickle
+
+    if getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
+        return None
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    p.dispatch_table = {**_base_table(), **router.route}
+    try:
+        p.dump(obj)
+    except TracerTransportError:
+        raise
+    except Exception:
+        return None
+    data = buf.getvalue()
+    if b"__main__" in data or b"__mp_main__" in data:
+        return None
+    return data
+
+
+class FnBlob:
+    """A function pickled once (by ``function_blob``) and embedded in many chunks' pickles.
+    Each chunk still unpickles its own copy, as multiprocessing does."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return (_load_fn, (self.data,))
+
+
+def _load_fn(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def function_blob(fn: Any, *, threshold: int | None, locate: Callable | None = None) -> Any:
+    """``fn`` pickled once for reuse across chunks, or ``fn`` itself when it carries large
+    arrays (those must go through shared memory with each chunk)."""
+    prep = prepare(fn, threshold=threshold, locate=locate)
+    return fn if prep.found else FnBlob(prep.data)
 
 
 def _pointer(obj: Any) -> int | None:
@@ -107,16 +213,26 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
     Raises TracerTransportError (with the key path ``locate()`` finds) or the pickling error,
     before any shared memory is touched.
     """
-    buf = io.BytesIO()
-    enc = _Encoder(buf, threshold if threshold is not None else 1 << 62, tree_type)
+    limit = threshold if threshold is not None else 1 << 62
+    router = _Router(limit, tree_type)
     try:
-        enc.dump(obj)
+        data = _fast_pickle(obj, router)
+    finally:
+        router.route.clear()  # its bound methods make a cycle that would pin ``found``
+    if data is not None:
+        return Prepared(data, router.found, router.trees)
+    router = _Router(limit, tree_type)
+    buf = io.BytesIO()
+    try:
+        _Encoder(buf, router).dump(obj)
     except TracerTransportError as e:
         path = locate() if (locate is not None and e.path is None) else None
         if path is not None:
             raise TracerTransportError(e.description, path, where=e.where) from None
         raise
-    return Prepared(buf.getvalue(), enc.found, enc.trees)
+    finally:
+        router.route.clear()
+    return Prepared(buf.getvalue(), router.found, router.trees)
 
 
 def commit(
@@ -196,18 +312,6 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
     if meta.indices or len(bufs) != 1:
         return None
     return ("ref", "jax", tuple(meta), h)
-
-
-class _Decoder(pickle.Unpickler):
-    def __init__(self, file, resolved):
-        super().__init__(file)
-        self.resolved = resolved
-
-    def persistent_load(self, pid):
-        try:
-            return self.resolved[pid]
-        except (IndexError, TypeError):
-            raise ShmHandleError(f"Corrupt message: persistent id {pid!r} names no entry") from None
 
 
 def materialize(
@@ -291,7 +395,10 @@ def decode(
             err.unheld = ([i] if rejected else []) + list(range(i + 1, len(entries)))
             raise
     token = _pickling._placement_override.set(placement)
+    outer = getattr(_decoding, "resolved", None)
+    _decoding.resolved = resolved
     try:
-        return _Decoder(io.BytesIO(data), resolved).load()
+        return pickle.loads(data)
     finally:
+        _decoding.resolved = outer
         _pickling._placement_override.reset(token)

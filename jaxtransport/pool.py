@@ -56,9 +56,15 @@ from ._tracers import find_tracer
 __all__ = ["Pool", "SharedTree", "AsyncResult", "MapResult", "IMapIterator"]
 
 _PREFETCH = 2  # chunks in flight per worker
+# A worker whose chunks take less than _TINY_TASK_S each gets up to _PREFETCH_TINY small chunks
+# (no shared memory) in flight, so that per-message latency does not idle it; queueing a few
+# tiny tasks behind one another costs little.
+_PREFETCH_TINY = 8
+_TINY_TASK_S = 0.001
 _MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
 _CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
 _RELEASE_FLUSH_S = 0.05
+_DIRECT_SEND_MAX = 32 << 10  # chunks smaller than this are sent without the feeder hop
 _ENV_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[_State]" = weakref.WeakSet()
 _STOP = ("S",)
@@ -108,6 +114,7 @@ class _WorkerRec:
     __slots__ = (
         "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sentinel", "mapper",
         "outstanding", "sent_segs", "trees", "ready", "retiring", "sent", "dead", "stop_sent",
+        "send_lock", "queued", "pace", "last_result",
     )
 
     def __init__(self, index, serial, proc, conn, fdsock):
@@ -121,6 +128,10 @@ class _WorkerRec:
         self.trees: set[int] = set()
         self.ready = self.retiring = self.dead = self.stop_sent = False
         self.sent = 0
+        self.send_lock = threading.Lock()
+        self.queued = 0  # chunks waiting on the feeder for this worker
+        self.pace = 1.0  # moving average of seconds between its results while busy
+        self.last_result = 0.0
 
 
 class _Chunk:
@@ -266,6 +277,9 @@ class _State:
         cond.wait(0.05)
         return True
 
+    def function_blob(self, fn):
+        return _pool_wire.function_blob(fn, threshold=self.threshold, locate=lambda: _first_tracer((fn, "func")))
+
     def prepare_chunk(self, fn, mode, items, locate) -> _pool_wire.Prepared:
         return _pool_wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=SharedTree, locate=locate)
 
@@ -293,8 +307,10 @@ class _State:
         # Called with self.lock held.
         while self.pending:
             best = None
+            light = not self.pending[0].enc.handles and not self.pending[0].enc.trees
             for w in self.workers:
-                if w.dead or w.retiring or len(w.outstanding) >= _PREFETCH:
+                limit = _PREFETCH_TINY if (light and w.pace < _TINY_TASK_S) else _PREFETCH
+                if w.dead or w.retiring or len(w.outstanding) >= limit:
                     continue
                 if self.maxtasks and w.sent >= self.maxtasks:
                     continue
@@ -306,9 +322,28 @@ class _State:
             best.outstanding.append(chunk)
             best.sent += 1
             self.arena.transfer(chunk.enc.handles, chunk.key, best.key)
-            self.feed.put((best, chunk))
+            self._route(best, chunk)
         if self.closed:
             self._maybe_stop()
+
+    def _route(self, w: _WorkerRec, chunk: _Chunk) -> None:
+        """Send a small chunk right away from this thread when nothing is queued for ``w`` on
+        the feeder and its pipe is free; everything else goes through the feeder (which may
+        block on a full pipe without stopping result reading)."""
+        enc = chunk.enc
+        if not enc.segs and not enc.trees and len(enc.data) < _DIRECT_SEND_MAX and not w.queued:
+            if w.send_lock.acquire(blocking=False):
+                try:
+                    if not w.queued:
+                        try:
+                            self._send(w, ("T", chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases()))
+                        except (OSError, EOFError, ValueError):
+                            pass  # the worker died: the manager handles its tasks
+                        return
+                finally:
+                    w.send_lock.release()
+        w.queued += 1
+        self.feed.put((w, chunk))
 
     def _maybe_stop(self) -> None:
         if self.pending or any(w.outstanding for w in self.workers):
@@ -392,6 +427,12 @@ class _State:
         kind = msg[0]
         if kind == "R":
             _, chunk_id, ok, data, entries, releases, unheld = msg
+            now = time.monotonic()
+            if w.last_result and len(w.outstanding) > 1:
+                w.pace = 0.8 * w.pace + 0.2 * (now - w.last_result)
+            elif len(w.outstanding) <= 1:
+                w.pace = max(w.pace, 0.2 * _TINY_TASK_S)  # idle gaps say nothing about task length
+            w.last_result = now
             with self.lock:
                 chunk = None
                 for i, c in enumerate(w.outstanding):
@@ -530,7 +571,11 @@ class _State:
             self._dispatch()
 
     def _manage(self) -> None:
-        wait = multiprocessing.connection.wait
+        import select
+
+        poller = select.poll()
+        registered: dict[int, tuple] = {}
+        last_collect = 0.0
         while True:
             with self.lock:
                 if self.terminated:
@@ -540,41 +585,48 @@ class _State:
                     return
                 if self.broken is not None and not workers:
                     return
-            objs: list = [self.wake_r]
+            wanted = {self.wake_r: ("wake", None)}
             for w in workers:
-                objs.append(w.conn)
-                objs.append(w.sentinel)
+                if not w.dead:
+                    wanted[w.conn.fileno()] = ("conn", w)
+                    wanted[w.sentinel] = ("sentinel", w)
+            if wanted.keys() != registered.keys() or any(registered[k][1] is not v[1] for k, v in wanted.items()):
+                for fd in registered:
+                    try:
+                        poller.unregister(fd)
+                    except (KeyError, ValueError, OSError):
+                        pass
+                for fd in wanted:
+                    poller.register(fd, select.POLLIN)
+                registered = wanted
             try:
-                ready = wait(objs, timeout=0.2)
-            except OSError:
-                ready = []
-            if any(w.mapper.live for w in workers):
+                events = poller.poll(200)
+            except InterruptedError:
+                events = []
+            now = time.monotonic()
+            if now - last_collect > 0.02 and any(w.mapper.live for w in workers):
+                last_collect = now
                 _shm.collect_deferred()  # see collect_deferred: lets dead results release
             self.drain_self_releases()
-            for obj in ready:
+            for fd, _ev in events:
                 if self.terminated:
                     return
-                if obj == self.wake_r:
+                kind, w = registered.get(fd, (None, None))
+                if kind == "wake":
                     try:
                         os.read(self.wake_r, 4096)
                     except OSError:
                         pass
-                    continue
-                for w in workers:
-                    if w.dead:
-                        continue
-                    if obj is w.conn:
-                        try:
-                            while True:
-                                self._on_message(w, w.conn.recv_bytes())
-                                if not w.conn.poll(0):
-                                    break
-                        except (EOFError, OSError):
-                            self._worker_exited(w)
-                        break
-                    if obj == w.sentinel:
+                elif kind == "conn" and not w.dead:
+                    try:
+                        while True:
+                            self._on_message(w, w.conn.recv_bytes())
+                            if not w.conn.poll(0):
+                                break
+                    except (EOFError, OSError):
                         self._worker_exited(w)
-                        break
+                elif kind == "sentinel" and not w.dead:
+                    self._worker_exited(w)
 
     def _feed(self) -> None:
         get = self.feed.get
@@ -589,15 +641,22 @@ class _State:
             if item is None:
                 return
             w, what = item
+            is_chunk = isinstance(what, _Chunk)
             if w.dead or self.terminated:
+                if is_chunk:
+                    w.queued -= 1
                 continue
-            try:
-                if isinstance(what, _Chunk):
-                    self._send_chunk(w, what)
-                else:
-                    self._send(w, what)
-            except (OSError, EOFError, ValueError):
-                pass  # the worker died: the manager sees its sentinel and handles its tasks
+            with w.send_lock:
+                try:
+                    if is_chunk:
+                        self._send_chunk(w, what)
+                    else:
+                        self._send(w, what)
+                except (OSError, EOFError, ValueError):
+                    pass  # the worker died: the manager sees its sentinel and handles its tasks
+                finally:
+                    if is_chunk:
+                        w.queued -= 1
             del item, w, what  # hold no chunk (nor, through it, a result) while idle
 
     def _send(self, w: _WorkerRec, msg) -> None:
@@ -631,6 +690,12 @@ class _State:
         for w in list(self.workers):
             if w.dead:
                 continue
+            if not w.send_lock.acquire(timeout=0.01):
+                if forgotten:  # busy: everything again next time (duplicates are ignored)
+                    with self.arena.cond:
+                        self.arena._forgotten.extend(forgotten)
+                    forgotten = []
+                continue
             try:
                 if forgotten:
                     gone = [s for s in forgotten if s in w.sent_segs]
@@ -642,6 +707,8 @@ class _State:
                     self._send(w, ("L", rel))
             except (OSError, EOFError, ValueError):
                 pass
+            finally:
+                w.send_lock.release()
 
     # -- shutting down
     def close(self) -> None:
@@ -933,9 +1000,10 @@ class Pool:
         # Phase 1 for every chunk first: a Tracer or unpicklable item anywhere fails the call
         # before any shared memory is taken or any task sent.
         preps = []
+        blob = state.function_blob(func) if len(items) > chunksize else func
         for start in range(0, len(items), chunksize):
             part = items[start : start + chunksize]
-            preps.append(state.prepare_chunk(func, mode, part, _locator(func, part, start)))
+            preps.append(state.prepare_chunk(blob, mode, part, _locator(func, part, start)))
         result = MapResult(self, len(items), chunksize, callback, error_callback)
         for i, prep in enumerate(preps):
             try:
@@ -970,9 +1038,10 @@ class Pool:
         it = IMapIterator(self, ordered)
         if isinstance(iterable, (list, tuple, range)):
             preps = []
+            blob = state.function_blob(func) if len(iterable) > chunksize else func
             for start in range(0, len(iterable), chunksize):
                 part = list(iterable[start : start + chunksize])
-                preps.append(state.prepare_chunk(func, "map", part, _locator(func, part, start)))
+                preps.append(state.prepare_chunk(blob, "map", part, _locator(func, part, start)))
             it._set_length(len(preps))
             for i, prep in enumerate(preps):
                 state.submit(prep, it, i)

@@ -1,0 +1,307 @@
+"""How fast does jaxtransport.Pool move jax.Arrays, against multiprocessing.Pool and
+concurrent.futures.ProcessPoolExecutor (spawn, stock pickling), and against a warm memcpy of the
+same bytes measured in the same run?
+
+Questions, one per row group:
+- ``arg``/``result``: one array argument to a worker (worker returns its shape), or one array
+  result back (the worker returns an array it already holds), 1 KiB ... 1 GiB.
+- ``steady``: the same >= 64 MiB round trip repeated (recycled memory, no fresh pages).
+- ``tiny``: 10,000 tiny tasks (per-task overhead), with ``map`` and with ``apply_async``.
+- ``broadcast``: ``share(params)`` + one task per worker, on 1, 2 and 4 workers.
+
+Run ``python -m benchmarks.pool [--quick] [--max-mib N]``. ``run(quick=...)`` returns the rows
+(dicts with name, size_bytes, transport, seconds, gbps, ratio, vs_memcpy) for the lead's runner.
+Every figure is the median of several repetitions (spread printed); ratio = baseline seconds /
+jaxtransport seconds (higher is better) against multiprocessing.Pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+
+# -- worker-side functions (importable: spawn re-imports this module)
+def shape_of(x):
+    return tuple(x.shape)
+
+
+_CACHE: dict = {}
+
+
+def cached_array(nbytes):
+    import jax.numpy as jnp
+
+    if nbytes not in _CACHE:
+        _CACHE.clear()
+        _CACHE[nbytes] = jnp.arange(nbytes // 4, dtype=jnp.float32)
+    return _CACHE[nbytes]
+
+
+def noop(x):
+    return x
+
+
+def read_param(args):
+    tree, i = args
+    return float(tree["w"][i])
+
+
+# -- helpers
+def _median(ts):
+    return statistics.median(ts)
+
+
+def _spread(ts):
+    return (max(ts) - min(ts)) / 2 if len(ts) > 1 else 0.0
+
+
+def _timed(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        gc.collect()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def _reps(nbytes, baseline=False):
+    if nbytes >= 256 * MIB:
+        return 2 if baseline else 3
+    if nbytes >= 64 * MIB:
+        return 3 if baseline else 5
+    return 7
+
+
+def memcpy_seconds(nbytes, reps=7):
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    return _median(_timed(lambda: np.copyto(dst, src), reps))
+
+
+def environment() -> dict:
+    import cloudpickle
+    import jax
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    mem = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f.readline().split(":")[1].strip()
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "cloudpickle": cloudpickle.__version__,
+        "platform": platform.platform(),
+        "cores": cores,
+        "memory": mem,
+        "backend": jax.default_backend(),
+    }
+
+
+def _row(name, nbytes, transport, ts, base=None, memcpy=None, **extra):
+    sec = _median(ts)
+    row = {
+        "name": name,
+        "size_bytes": nbytes,
+        "transport": transport,
+        "seconds": sec,
+        "spread": _spread(ts),
+        "gbps": (nbytes / sec / 1e9) if nbytes and sec else None,
+        "ratio": (base / sec) if base else None,
+        "vs_memcpy": (sec / memcpy) if memcpy else None,
+        "reps": len(ts),
+    }
+    row.update(extra)
+    return row
+
+
+def _print_row(r):
+    size = r["size_bytes"]
+    label = f"{size / MIB:8.3f} MiB" if size else "         -"
+    gbps = f"{r['gbps']:7.2f} GB/s" if r["gbps"] else "           "
+    ratio = f"  {r['ratio']:7.1f}x vs mp.Pool" if r.get("ratio") else ""
+    vsm = f"  {r['vs_memcpy']:5.2f}x memcpy" if r.get("vs_memcpy") else ""
+    print(f"{r['name']:<14} {label} {r['transport']:<22} {r['seconds'] * 1e3:10.3f} ms "
+          f"(+-{r['spread'] * 1e3:.3f}) {gbps}{ratio}{vsm}", flush=True)
+
+
+# -- the benchmarks
+def bench_transfers(sizes, baselines_up_to, rows):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxtransport as jt
+
+    ctx = multiprocessing.get_context("spawn")
+    with jt.Pool(1) as jpool, ctx.Pool(1) as mpool, concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+        for p in (lambda: jpool.apply(noop, (0,)), lambda: mpool.apply(noop, (0,)), lambda: ex.submit(noop, 0).result()):
+            p()
+        for nbytes in sizes:
+            x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+            x.block_until_ready()
+            mem = memcpy_seconds(nbytes)
+            rows.append(_row("memcpy", nbytes, "warm memcpy", [mem]))
+            _print_row(rows[-1])
+            for direction in ("arg", "result"):
+                if direction == "arg":
+                    jt_fn = lambda: jpool.apply(shape_of, (x,))
+                    mp_fn = lambda: mpool.apply(shape_of, (x,))
+                    ex_fn = lambda: ex.submit(shape_of, x).result()
+                else:
+                    def jt_fn():
+                        jax.block_until_ready(jpool.apply(cached_array, (nbytes,)))
+
+                    def mp_fn():
+                        jax.block_until_ready(mpool.apply(cached_array, (nbytes,)))
+
+                    def ex_fn():
+                        jax.block_until_ready(ex.submit(cached_array, nbytes).result())
+                t0 = time.perf_counter()
+                jt_fn()  # the first transfer of this size: new segments, first touch
+                first = time.perf_counter() - t0
+                jts = _timed(jt_fn, _reps(nbytes), warmup=1)
+                base = None
+                if nbytes <= baselines_up_to:
+                    mps = _timed(mp_fn, _reps(nbytes, True), warmup=1 if nbytes < 64 * MIB else 0)
+                    exs = _timed(ex_fn, _reps(nbytes, True), warmup=1 if nbytes < 64 * MIB else 0)
+                    base = _median(mps)
+                    rows.append(_row(direction, nbytes, "multiprocessing.Pool", mps, memcpy=mem))
+                    _print_row(rows[-1])
+                    rows.append(_row(direction, nbytes, "ProcessPoolExecutor", exs, memcpy=mem))
+                    _print_row(rows[-1])
+                rows.append(_row(direction, nbytes, "jaxtransport.Pool", jts, base=base, memcpy=mem,
+                                 first_seconds=first))
+                _print_row(rows[-1])
+            del x
+            gc.collect()
+
+
+def bench_steady(sizes, rows, loops=10):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxtransport as jt
+
+    with jt.Pool(1) as pool:
+        for nbytes in sizes:
+            x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+            mem = memcpy_seconds(nbytes)
+            for _ in range(2):
+                pool.apply(shape_of, (x,))
+                jax.block_until_ready(pool.apply(cached_array, (nbytes,)))
+            for direction, fn in (
+                ("steady_arg", lambda: pool.apply(shape_of, (x,))),
+                ("steady_result", lambda: jax.block_until_ready(pool.apply(cached_array, (nbytes,)))),
+            ):
+                ts = _timed(fn, loops, warmup=2)
+                rows.append(_row(direction, nbytes, "jaxtransport.Pool", ts, memcpy=mem))
+                _print_row(rows[-1])
+            del x
+
+
+def bench_tiny(rows, n=10_000):
+    import jaxtransport as jt
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = 2
+    with jt.Pool(procs) as jpool, ctx.Pool(procs) as mpool:
+        jpool.map(noop, range(100))
+        mpool.map(noop, range(100))
+        for name, jfn, mfn in (
+            ("tiny_map", lambda: jpool.map(noop, range(n)), lambda: mpool.map(noop, range(n))),
+            ("tiny_apply", lambda: [r.get() for r in [jpool.apply_async(noop, (i,)) for i in range(n)]],
+             lambda: [r.get() for r in [mpool.apply_async(noop, (i,)) for i in range(n)]]),
+        ):
+            reps = 5 if name == "tiny_map" else 3
+            mts = _timed(mfn, reps)
+            jts = _timed(jfn, reps)
+            rows.append(_row(name, 0, "multiprocessing.Pool", mts, tasks=n))
+            _print_row(rows[-1])
+            rows.append(_row(name, 0, "jaxtransport.Pool", jts, base=_median(mts), tasks=n))
+            _print_row(rows[-1])
+
+
+def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
+    import jax.numpy as jnp
+
+    import jaxtransport as jt
+
+    params = {"w": jnp.arange(nbytes // 4, dtype=jnp.float32), "b": jnp.ones(16)}
+    one = None
+    for n in workers:
+        with jt.Pool(n) as pool:
+            pool.map(noop, range(4 * n), chunksize=1)
+
+            def once():
+                shared = pool.share(params)
+                out = pool.map(read_param, [(shared, i) for i in range(n)], chunksize=1)
+                shared.release()
+                return out
+
+            ts = _timed(once, reps, warmup=2)
+        sec = _median(ts)
+        if one is None:
+            one = sec
+        rows.append(_row("broadcast", nbytes, f"jaxtransport.Pool x{n}", ts, workers=n, vs_one_worker=sec / one))
+        _print_row(rows[-1])
+        print(f"{'':14} {n} workers / 1 worker = {sec / one:.2f}x", flush=True)
+
+
+def run(quick: bool = False, max_bytes: int | None = None) -> list[dict]:
+    """Run every benchmark; return the rows (also printed)."""
+    env = environment()
+    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    top = max_bytes or (256 * MIB if quick else GIB)
+    sizes = [s for s in (KIB, 16 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB) if s <= top]
+    rows: list[dict] = []
+    bench_transfers(sizes, baselines_up_to=top, rows=rows)
+    bench_steady([s for s in (64 * MIB, 256 * MIB) if s <= top], rows)
+    bench_tiny(rows)
+    bench_broadcast(64 * MIB if quick else 256 * MIB, rows)
+    for r in rows:
+        r["env"] = env
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="sizes up to 256 MiB")
+    ap.add_argument("--max-mib", type=int, default=None, help="largest transfer in MiB")
+    args = ap.parse_args(argv)
+    rows = run(quick=args.quick, max_bytes=args.max_mib * MIB if args.max_mib else None)
+    print("\nsummary vs targets:")
+    for r in rows:
+        if r["transport"] == "jaxtransport.Pool" and r["name"] in ("arg", "result") and r["size_bytes"] >= 64 * MIB and r["ratio"]:
+            print(f"  {r['name']:<6} {r['size_bytes'] // MIB:5d} MiB: {r['ratio']:.1f}x mp.Pool (target >= 10x)")
+        if r["name"].startswith("steady"):
+            print(f"  {r['name']:<13} {r['size_bytes'] // MIB:5d} MiB: {r['vs_memcpy']:.2f}x memcpy (target <= 2x, stretch 1.25x)")
+        if r["name"].startswith("tiny") and r["transport"] == "jaxtransport.Pool":
+            print(f"  {r['name']:<13}: throughput {r['ratio']:.2f}x mp.Pool (target >= 0.9x)")
+        if r["name"] == "broadcast" and r["workers"] == 4:
+            print(f"  broadcast 4 workers: {r['vs_one_worker']:.2f}x of 1 worker (target <= 1.3x)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
