@@ -68,11 +68,21 @@ class Backend:
         self.close()
 
 
+def _timeout_error(name: str, timeout: float) -> TimeoutError:
+    return TimeoutError(
+        f"{name}: no rollout result within --task-timeout={timeout:g}s. A worker died or hung "
+        "(multiprocessing.Pool never reports a killed worker, python/cpython#66587), or the "
+        "rollouts are slower than that: check the workers' output above, and raise "
+        "--task-timeout for very large --envs/--steps"
+    )
+
+
 class StockPool(Backend):
     """``multiprocessing.Pool`` (spawn): arguments and results pickled through its pipes."""
 
-    def __init__(self, workers: int, warm: tuple | None):
+    def __init__(self, workers: int, warm: tuple | None, timeout: float):
         self.name = "pool/stock"
+        self.timeout = timeout
         ctx = multiprocessing.get_context("spawn")
         self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(warm,))
 
@@ -80,7 +90,11 @@ class StockPool(Backend):
         return params  # pickled again into every task: multiprocessing has no broadcast
 
     def map(self, handle, tasks):
-        return self._pool.starmap(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+        res = self._pool.starmap_async(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+        try:
+            return res.get(self.timeout)
+        except multiprocessing.TimeoutError:
+            raise _timeout_error(self.name, self.timeout) from None
 
     def close(self):
         self._pool.close()
@@ -90,8 +104,9 @@ class StockPool(Backend):
 class JaxtransportPool(Backend):
     """``jaxtransport.Pool``: arrays through recycled shared memory, parameters ``share()``d."""
 
-    def __init__(self, workers: int, warm: tuple | None):
+    def __init__(self, workers: int, warm: tuple | None, timeout: float):
         self.name = "pool/jaxtransport"
+        self.timeout = timeout
         from .pool import Pool  # jaxtransport.Pool
 
         self._pool = Pool(workers, initializer=_warm_up, initargs=(warm,), start_method="spawn")
@@ -100,7 +115,11 @@ class JaxtransportPool(Backend):
         return self._pool.share(params)
 
     def map(self, handle, tasks):
-        return self._pool.starmap(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+        res = self._pool.starmap_async(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+        try:
+            return res.get(self.timeout)
+        except multiprocessing.TimeoutError:
+            raise _timeout_error(self.name, self.timeout) from None
 
     def release(self, handle):
         handle.release()
@@ -119,8 +138,9 @@ class RayBackend(Backend):
     local Ray with ``num_cpus=workers`` that ``close()`` shuts down again.
     """
 
-    def __init__(self, workers: int, transport: str, address: str | None,
+    def __init__(self, workers: int, transport: str, address: str | None, timeout: float,
                  cpu_wait_s: float = 120.0):
+        self.timeout = timeout
         try:
             import ray
         except ImportError as exc:
@@ -164,7 +184,13 @@ class RayBackend(Backend):
         return self._ray.put(params)
 
     def map(self, handle, tasks):
-        return self._ray.get([self._remote.remote(handle, *t) for t in tasks])
+        refs = [self._remote.remote(handle, *t) for t in tasks]
+        try:
+            return self._ray.get(refs, timeout=self.timeout)
+        except self._ray.exceptions.GetTimeoutError:
+            for ref in refs:
+                self._ray.cancel(ref, force=True)
+            raise _timeout_error(self.name, self.timeout) from None
 
     def close(self):
         try:
@@ -201,9 +227,10 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
-         warm: tuple | None = None) -> Backend:
+         warm: tuple | None = None, timeout: float = 600.0) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_rollouts_worker.warm_up``) lets Pool
-    workers compile the rollout while they start."""
+    workers compile the rollout while they start. ``timeout``: seconds one iteration's tasks
+    may take before ``map`` raises ``TimeoutError`` instead of waiting forever."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if transport not in TRANSPORTS:
@@ -213,7 +240,7 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     if address is not None and backend != "ray":
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
     if backend == "ray":
-        return RayBackend(workers, transport, address)
+        return RayBackend(workers, transport, address, timeout)
     if transport == "stock":
-        return StockPool(workers, warm)
-    return JaxtransportPool(workers, warm)
+        return StockPool(workers, warm, timeout)
+    return JaxtransportPool(workers, warm, timeout)

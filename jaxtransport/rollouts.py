@@ -58,6 +58,7 @@ class Config:
     entropy_coef: float = 0.01
     seed: int = 0
     warmup: int = 1
+    task_timeout: float = 600.0
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -67,6 +68,8 @@ class Config:
             raise ValueError(f"--frame-size must be >= 16 pixels, got {self.frame_size!r}")
         if not self.param_mb > 0:
             raise ValueError(f"--param-mb must be > 0, got {self.param_mb!r}")
+        if not self.task_timeout > 0:
+            raise ValueError(f"--task-timeout must be > 0 seconds, got {self.task_timeout!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup!r}")
         if self.backend not in backends.BACKENDS:
@@ -143,7 +146,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
         file=out, flush=True,
     )
     with backends.make(cfg.backend, transport, cfg.workers, address=cfg.address,
-                       warm=warm) as be:
+                       warm=warm, timeout=cfg.task_timeout) as be:
         for it in range(cfg.iterations):
             keys = jax.random.split(jax.random.fold_in(k_steps, it), cfg.workers)
             tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps) for w in range(cfg.workers)]
@@ -226,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="leading iterations left out of the throughput table (compilation, "
                    "worker start-up); they still train")
+    p.add_argument("--task-timeout", type=float, default=d.task_timeout,
+                   help="seconds an iteration's rollout tasks may take before the demo stops "
+                   "with an error instead of waiting on a dead or hung worker")
     return p
 
 
@@ -235,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend, address=args.address, workers=args.workers,
         iterations=args.iterations, envs=args.envs, steps=args.steps,
         frame_size=args.frame_size, param_mb=args.param_mb, hidden=args.hidden, lr=args.lr,
-        table_lr=args.table_lr,
+        table_lr=args.table_lr, task_timeout=args.task_timeout,
         seed=args.seed, warmup=args.warmup,
     )
     try:

@@ -242,3 +242,28 @@ def test_cli_ray_compare_end_to_end():
     out = proc.stdout
     assert "ray/stock" in out and "ray/jaxtransport" in out, out
     assert "learning curves identical across transports: yes" in out, out
+
+
+@pytest.mark.slow
+def test_killed_worker_stops_the_loop_with_an_error_not_a_hang():
+    """multiprocessing.Pool waits forever for a task whose worker was killed
+    (python/cpython#66587): the demo's backends bound the wait with --task-timeout and raise
+    TimeoutError saying what to do."""
+    import signal
+    import threading
+    import time
+
+    from jaxtransport import _rollouts_backends as backends
+
+    params = policy.init(jax.random.key(0), 0.25, 8)
+    carry = worker.initial_carry(jax.random.key(1), 2)
+    with backends.make("pool", "stock", 1, timeout=8.0) as be:
+        pid = be._pool._pool[0].pid  # the one worker of the underlying multiprocessing.Pool
+        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="--task-timeout=8s"):
+            # Long enough to be running when the worker is killed (compiling takes seconds).
+            be.map(params, [(carry, jax.random.key(2), 16, 100_000)])
+        killer.join()
+        assert 8 <= time.monotonic() - start < 60
