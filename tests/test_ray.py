@@ -423,10 +423,26 @@ def test_aliased_buffer_stays_pinned_until_the_array_dies(registered):
     assert bits(derived) == expected[: 4 << 10]
     assert wait_until(lambda: _plasma_used_bytes() >= 32 * MiB, 10), "pinned object was freed"
     used_with = _plasma_used_bytes()
-    del y, derived
-    gc.collect()
+    del y, derived  # no gc.collect(), no further JAX call: see Note [prompt release]
     assert wait_until(lambda: _plasma_used_bytes() <= used_with - 32 * MiB, 15), (
         "the object-store buffer was not released when the array died"
+    )
+
+
+@ray.remote
+def nbytes_of(x):
+    return int(x.nbytes)  # no JAX call after the argument is decoded
+
+
+@pytest.mark.ray
+def test_an_idle_worker_releases_the_argument_buffer(registered):
+    """jaxlib defers the decref of an aliased host buffer to the next JAX call; a worker that
+    sits idle after the task must still unpin the object (Note [prompt release])."""
+    assert wait_until(lambda: _plasma_used_bytes() < 48 * MiB, 15)
+    base = _plasma_used_bytes()
+    assert ray.get(nbytes_of.remote(make("uint8", (48 * MiB,)))) == 48 * MiB
+    assert wait_until(lambda: _plasma_used_bytes() <= base, 15), (
+        f"the worker still pins the argument: {_plasma_used_bytes() - base} bytes in use"
     )
 
 
