@@ -11,14 +11,15 @@ or, when you call ``ray.init`` yourself::
     jaxtransport.ray.register()
 
 What changes (Note [zero-copy through Ray]): without jaxtransport, Ray pickles a jax.Array with
-JAX's ``__reduce__``, which copies the data into the pickle stream *in-band* (three copies and no
-object-store sharing). With it, Ray serializes each concrete array type (``ArrayImpl``, typed PRNG
-key arrays) with :func:`jaxtransport._codec.encode`: the data travels as contiguous ``numpy``
-views, which Ray's protocol-5 pickler stores *out-of-band* in the object store exactly like a
-numpy array (one copy, into shared memory); the receiver rebuilds the array with
-``_codec.decode`` from the object-store buffer, which on CPU the jax.Array *aliases* (no copy).
-dtype (every one, bit-exact), 0-d and zero-size shapes, ``weak_type``, typed PRNG keys and (with
-``placement="preserve"``) shardings survive the trip.
+JAX's ``__reduce__``, which copies the data into the pickle stream as ``bytes`` (*in-band*: a copy
+on the sender, the object-store copy, and more copies on the receiver, at ~0.2-0.5 GB/s here).
+With it, Ray serializes each concrete array type (``ArrayImpl``, typed PRNG key arrays) with
+:func:`jaxtransport._codec.encode`: the data travels as contiguous host views, which Ray's
+protocol-5 pickler stores *out-of-band* in the object store exactly like a numpy array (one copy,
+into shared memory); the receiver rebuilds the array with ``_codec.decode`` from the object-store
+buffer, which on CPU the jax.Array *aliases* (no copy; Note [prompt release] for when it is
+unpinned). dtype (every one, bit-exact), 0-d and zero-size shapes, ``weak_type``, typed PRNG keys
+and (with ``placement="preserve"``) shardings survive the trip.
 
 Importing ``jaxtransport`` never imports this module or Ray; importing this module imports Ray
 (and raises an ImportError naming the ``jaxtransport[ray]`` extra when it is missing) but
