@@ -59,13 +59,20 @@ class Backend:
         pass
 
     def close(self) -> None:
-        pass
+        """Stop the workers after the tasks in flight (none, between iterations)."""
+
+    def terminate(self) -> None:
+        """Stop the workers now (on an error or Ctrl-C); defaults to :meth:`close`."""
+        self.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.terminate()
 
 
 def _timeout_error(name: str, timeout: float) -> TimeoutError:
@@ -100,6 +107,10 @@ class StockPool(Backend):
         self._pool.close()
         self._pool.join()
 
+    def terminate(self):
+        self._pool.terminate()
+        self._pool.join()
+
 
 class JaxtransportPool(Backend):
     """``jaxtransport.Pool``: arrays through recycled shared memory, parameters ``share()``d."""
@@ -126,6 +137,10 @@ class JaxtransportPool(Backend):
 
     def close(self):
         self._pool.close()
+        self._pool.join()
+
+    def terminate(self):
+        self._pool.terminate()
         self._pool.join()
 
 

@@ -135,7 +135,9 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
     # Baseline: the mean return at the same step across all environments. Every rollout is cut
     # after `steps` steps, so late steps see fewer future rewards whatever the actions were; a
     # per-step baseline removes that bias (a batch-wide mean would blame late actions).
-    adv = rets - rets.mean(axis=1, keepdims=True)
+    # With a single environment in all there is nothing to compare with at a step: fall back
+    # to the batch mean.
+    adv = rets - (rets.mean(axis=1, keepdims=True) if rets.shape[1] > 1 else rets.mean())
     adv = (adv / (adv.std() + 1e-6)).reshape(-1)
     feats, acts = feats.reshape(-1, 4), acts.reshape(-1)
     return policy.update(params, opt, policy.Batch(feats, acts, adv), lr, table_lr, entropy_coef)

@@ -250,9 +250,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(str(exc))
     transports = ["stock", "jaxtransport"] if args.compare else [args.transport]
     runs = []
-    for transport in transports:
-        runs.append(train(cfg, transport))
-        print(file=sys.stdout)
+    try:
+        for transport in transports:
+            runs.append(train(cfg, transport))
+            print(file=sys.stdout)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the workers were stopped", file=sys.stderr)
+        return 130
     print(report.summary_table(runs), flush=True)
     return 0
 

@@ -267,3 +267,41 @@ def test_killed_worker_stops_the_loop_with_an_error_not_a_hang():
             be.map(params, [(carry, jax.random.key(2), 16, 100_000)])
         killer.join()
         assert 8 <= time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["jaxtransport", "stock"])
+def test_ctrl_c_stops_the_demo_and_its_workers(transport):
+    import signal
+    import time
+
+    from .conftest import child_pids, wait_until
+
+    environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    args = [a if a != "2" else "500" for a in TINY]  # --iterations 500: still running
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxtransport.rollouts", *args, "--transport", transport],
+        env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("iter   3/"):
+                break
+            assert time.monotonic() < deadline
+        workers = child_pids(proc.pid)
+        assert workers, "the demo should be running worker processes"
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+    def gone():
+        return not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+
+    assert wait_until(gone, 20), "worker processes survived the interrupted demo"
