@@ -960,6 +960,7 @@ class Pool:
             shm_capacity=shm_capacity, devices_per_worker=devices_per_worker,
         )
         self._finalizer = weakref.finalize(self, _terminate_unreferenced, self._state)
+        self._finalizer.atexit = False  # at exit the atexit hook terminates it, silently
 
     # -- submitting
     def apply_async(self, func: Callable, args: tuple = (), kwds: dict | None = None,
