@@ -201,20 +201,21 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jaxtransport.rollouts",
         description="Distributed CartPole-from-pixels rollouts with a REINFORCE learner: "
         "measures how fast jax.Arrays move between the learner and its workers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
-                   help="pool: jaxtransport.Pool / multiprocessing.Pool, no services (default); "
+                   help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
                    "ray: Ray tasks")
     p.add_argument("--address", default=None,
-                   help="Ray cluster address (e.g. ray://head:10001 or head:6379); default: "
-                   "start a local Ray with --workers CPUs")
+                   help="address of a running Ray cluster (head:6379, or auto); this machine "
+                   "must be one of its nodes (ray start --address=...); none: start a local "
+                   "Ray with --workers CPUs")
     p.add_argument("--transport", choices=backends.TRANSPORTS, default="jaxtransport",
-                   help="jaxtransport (default) or stock (multiprocessing pickling / Ray's "
-                   "default serialization)")
+                   help="stock: multiprocessing's pickling / Ray's default serialization")
     p.add_argument("--compare", action="store_true",
                    help="run stock then jaxtransport with the same seed and print the speedup")
-    p.add_argument("--workers", type=int, default=d.workers)
-    p.add_argument("--iterations", type=int, default=d.iterations)
+    p.add_argument("--workers", type=int, default=d.workers, help="worker processes")
+    p.add_argument("--iterations", type=int, default=d.iterations, help="learner updates")
     p.add_argument("--envs", type=int, default=d.envs, help="environments per worker")
     p.add_argument("--steps", type=int, default=d.steps, help="steps per environment per iteration")
     p.add_argument("--frame-size", type=int, default=d.frame_size,
@@ -225,7 +226,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate (dense layers)")
     p.add_argument("--table-lr", type=float, default=d.table_lr,
                    help="per-sample SGD step of the embedding table")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="fixes the policy, the environments and the actions: runs repeat exactly")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="leading iterations left out of the throughput table (compilation, "
                    "worker start-up); they still train")
