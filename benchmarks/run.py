@@ -1,6 +1,6 @@
 """Run every benchmark and write ``benchmarks/results/<name>.md`` and ``<name>.png``.
 
-``python -m benchmarks [--quick] [--only NAME ...] [--out DIR]``
+``python -m benchmarks [--quick] [--only NAME ...] [--out DIR] [--replot]``
 
 Each benchmark module exposes ``run(quick) -> list[dict]`` whose rows carry at least ``name``
 (the question within the benchmark, e.g. "argument" / "result"), ``size_bytes``, ``transport``
@@ -11,8 +11,9 @@ plot: ``PLOT_X`` / ``PLOT_Y`` (row keys; default ``size_bytes`` / ``gbps``), ``P
 Where a module measures throughput against size but no memcpy row, the runner measures a warm
 memcpy of the same sizes itself and draws it.
 
-A module that is missing, lacks ``run``, or raises is reported and skipped; the others still
-run and the exit status is 1.
+The raw rows go to ``<name>.json`` as well; ``--replot`` rewrites the tables and plots from
+them without measuring. A module that is missing, lacks ``run``, or raises is reported and
+skipped; the others still run and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import datetime
 import importlib
 import inspect
+import json
 import math
 import os
 import sys
@@ -125,8 +127,13 @@ def plot(name: str, module: Any, rows: list[dict], path: str,
         if _number(r.get(xk)) and _number(r.get(yk)):
             series = groups.setdefault(str(r.get("name", name)), {})
             series.setdefault(str(r.get("transport", "?")), []).append((r[xk], r[yk]))
+    # A group of limit rows only (e.g. name "memcpy") is drawn in every other panel instead.
+    shared = {t: pts for s in groups.values() if set(s) <= set(limits) for t, pts in s.items()}
     groups = {g: s for g, s in groups.items()
-              if len({x for pts in s.values() for x, _ in pts}) >= 2}
+              if not set(s) <= set(limits) and len({x for pts in s.values() for x, _ in pts}) >= 2}
+    for series in groups.values():
+        if not any(t in series for t in limits):
+            series.update({t: list(pts) for t, pts in shared.items()})
     if not groups:
         return False
     fig, axes = plt.subplots(1, len(groups), figsize=(6.2 * len(groups), 4.6), squeeze=False)
@@ -166,8 +173,45 @@ def plot(name: str, module: Any, rows: list[dict], path: str,
 # driver
 
 
-def run_one(name: str, modname: str, quick: bool, out_dir: str) -> bool:
-    """Run one benchmark and write its files. Returns False (after printing why) on failure."""
+def _load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, seconds: float,
+                  quick: bool, info: dict | None = None) -> None:
+    """Targets, ``<name>.png``, ``<name>.md`` and ``<name>.json`` (the raw rows)."""
+    targets: list[str] = []
+    check = getattr(module, "check_targets", None)
+    if callable(check):
+        try:
+            targets = list(check(rows))
+        except Exception:
+            print(f"!! {name}: check_targets failed:", file=sys.stderr)
+            traceback.print_exc()
+    for line in targets:
+        print(line)
+    os.makedirs(out_dir, exist_ok=True)
+    png = os.path.join(out_dir, f"{name}.png")
+    try:
+        plotted = plot(name, module, rows, png)
+    except Exception:
+        print(f"!! {name}: plotting failed (the table is still written):", file=sys.stderr)
+        traceback.print_exc()
+        plotted = False
+    info = info or _common.env_info()
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"environment": info, "quick": quick, "seconds": seconds, "rows": rows}, f,
+                  indent=1, default=str)
+    md = os.path.join(out_dir, f"{name}.md")
+    with open(md, "w") as f:
+        f.write(markdown(name, module, rows, info, targets, seconds, quick, plotted))
+    print(f"wrote {os.path.relpath(md)}" + (f" and {os.path.relpath(png)}" if plotted else ""))
+
+
+def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = False) -> bool:
+    """Run one benchmark (or, with ``replot``, reload its saved rows) and write its files.
+    Returns False (after printing why) on failure."""
     print(f"\n======== {name} ({modname}) ========", flush=True)
     try:
         module = importlib.import_module(modname)
@@ -175,6 +219,17 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str) -> bool:
         print(f"!! {name}: cannot import {modname}; skipped:", file=sys.stderr)
         traceback.print_exc()
         return False
+    if replot:
+        path = os.path.join(out_dir, f"{name}.json")
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"!! {name}: no saved rows to replot ({exc})", file=sys.stderr)
+            return False
+        write_outputs(name, module, saved["rows"], out_dir, saved["seconds"], saved["quick"],
+                      saved["environment"])
+        return True
     fn = getattr(module, "run", None)
     if not callable(fn):
         print(f"!! {name}: {modname} has no run(quick) -> list[dict]; skipped", file=sys.stderr)
@@ -191,29 +246,7 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str) -> bool:
         print(f"!! {name}: {modname}.run returned {type(rows).__name__}, not a list of dicts",
               file=sys.stderr)
         return False
-    targets: list[str] = []
-    check = getattr(module, "check_targets", None)
-    if callable(check):
-        try:
-            targets = list(check(rows))
-        except Exception:
-            print(f"!! {name}: {modname}.check_targets failed:", file=sys.stderr)
-            traceback.print_exc()
-    for line in targets:
-        print(line)
-    os.makedirs(out_dir, exist_ok=True)
-    png = os.path.join(out_dir, f"{name}.png")
-    try:
-        plotted = plot(name, module, rows, png)
-    except Exception:
-        print(f"!! {name}: plotting failed (the table is still written):", file=sys.stderr)
-        traceback.print_exc()
-        plotted = False
-    md = os.path.join(out_dir, f"{name}.md")
-    with open(md, "w") as f:
-        f.write(markdown(name, module, rows, _common.env_info(), targets, seconds, quick,
-                         plotted))
-    print(f"wrote {os.path.relpath(md)}" + (f" and {os.path.relpath(png)}" if plotted else ""))
+    write_outputs(name, module, rows, out_dir, seconds, quick)
     return True
 
 
@@ -224,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="smaller sizes and fewer repetitions (a few minutes in all)")
     p.add_argument("--only", action="append", choices=names, help="run only this (repeatable)")
     p.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
+    p.add_argument("--replot", action="store_true",
+                   help="measure nothing: rewrite the tables and plots from the saved <name>.json")
     args = p.parse_args(argv)
     _common.print_env("jaxtransport benchmarks" + (" (quick)" if args.quick else ""))
     failed = []
     for name, modname in BENCHMARKS:
         if args.only and name not in args.only:
             continue
-        if not run_one(name, modname, args.quick, args.out):
+        if not run_one(name, modname, args.quick, args.out, replot=args.replot):
             failed.append(name)
     if failed:
         print(f"\nfailed or skipped: {', '.join(failed)}", file=sys.stderr)

@@ -61,7 +61,7 @@ def test_runner_writes_tables_and_plots_and_survives_broken_modules(
     assert "has no run(quick)" in err
     assert "cannot import fakebench_does_not_exist" in err
     assert "failed or skipped: raises, norun, missing" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.md", "good.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.json", "good.md", "good.png"]
     md = (tmp_path / "good.md").read_text()
     assert "fakebench_good: what does it cost?" in md
     assert "| cpus |" in md and "| jax |" in md  # the environment
@@ -73,9 +73,35 @@ def test_runner_writes_tables_and_plots_and_survives_broken_modules(
     assert (tmp_path / "good.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_only_selects(fake_benchmarks, tmp_path):
+def test_only_selects_and_replot_rewrites_from_saved_rows(fake_benchmarks, tmp_path):
     assert runner.main(["--only", "good", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "good.md").exists()
+    md = tmp_path / "good.md"
+    first = md.read_text()
+    md.unlink()
+    (tmp_path / "good.png").unlink()
+    sys.modules["fakebench_good"].run = _fail  # --replot measures nothing
+    assert runner.main(["--only", "good", "--replot", "--out", str(tmp_path)]) == 0
+    assert md.read_text().split("## Environment")[1] == first.split("## Environment")[1]
+    assert (tmp_path / "good.png").exists()
+
+
+def test_limit_only_group_is_drawn_in_the_other_panels(tmp_path, monkeypatch):
+    drawn = []
+    import matplotlib.axes
+
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((self.get_title(), kwargs.get("label")))
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    rows = _rows() + [{"name": "memcpy", "size_bytes": s, "transport": "memcpy", "gbps": 10.0}
+                      for s in (1 << 10, 1 << 20, 1 << 26)]
+    assert runner.plot("m", _module("m"), rows, str(tmp_path / "m.png"))
+    labels = [label for _, label in drawn]
+    assert labels.count("warm memcpy (limit)") == 1  # in the "argument" panel, measured once
+    assert sorted(labels) == ["jaxtransport", "stock", "warm memcpy (limit)"]
 
 
 def test_plot_skips_rows_without_a_size_sweep(tmp_path):
