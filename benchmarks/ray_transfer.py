@@ -1,6 +1,6 @@
 """How fast does a jax.Array cross Ray as a task argument and as a task result?
 
-Three transports, measured interleaved in one Ray session (so machine noise hits all alike):
+Three transports, measured in one Ray session (1 CPU, so one task worker):
 
 - ``ray-default``: Ray's stock path for a jax.Array (JAX's in-band ``__reduce__``). For
   arguments the driver is unregistered for the call; for results the producing worker calls
@@ -14,7 +14,10 @@ fully deserialized before the task body runs). Result: ``ray.get(produce.remote(
 the worker returns an array it made earlier (cached, so creation is not timed). Both times run
 from the ``.remote()`` call to the driver holding the answer, so they include serializing,
 the object-store copy, deserializing and Ray's task overhead; the figures are medians of
-several repetitions, with the spread ((max - min) / median).
+several repetitions, with the spread ((max - min) / median). Per size: a correctness pass
+(checksums both ways), then Ray's default in its own block (it allocates and frees several
+times the array's size per call, which would slow the next call), then jaxtransport and numpy
+alternating call by call, so drift and other processes' noise hit both alike.
 
     python -m benchmarks.ray_transfer [--quick] [--reps N] [--min-mib M] [--max-mib M]
 
@@ -123,7 +126,6 @@ def run(
         ray.get(consume_r.remote(_make("jax", KIB)))  # start the worker, import JAX there
 
         for size in sizes:
-            n_reps = reps or (3 if size >= GIB else 6 if size >= 64 * MIB else 9)
             x_jax = _make("jax", size)
             x_np = _make("numpy", size)
             ref_sum = checksum(x_np)
@@ -140,36 +142,23 @@ def run(
                     raise AssertionError("jaxtransport result is not a jax.Array")
                 del back
             times: dict[tuple[str, str], list[float]] = {}
-            # Rounds of (transport: one untimed warm-up call, then timed calls), rotating the
-            # order: drift hits every transport alike, and no timed call directly follows
-            # another transport's memory churn.
-            rounds = 3
-            per_round = max(1, -(-n_reps // rounds))
-            for rnd in range(rounds):
-                order = TRANSPORTS[rnd % 3 :] + TRANSPORTS[: rnd % 3]
+            # Ray's default path first, in its own block: it allocates and frees several times
+            # the array's size per call, which would slow whatever call came right after it.
+            n_slow = reps or (3 if size >= 64 * MIB else 5)
+            for i in range(n_slow + 1):  # the first call is an untimed warm-up
+                _time_pair(ray, jax, jr, times if i else {}, "ray-default", x_jax, size,
+                           consume_r, produce_r)
+            # jaxtransport and numpy alternate call by call (ABBA...): drift and noise from
+            # other processes hit both alike, and neither churns memory for the other.
+            n_fast = reps or (9 if size >= GIB else 15 if size >= 64 * MIB else 21)
+            for transport in ("jaxtransport", "numpy"):  # untimed warm-ups
+                x = x_np if transport == "numpy" else x_jax
+                _time_pair(ray, jax, jr, {}, transport, x, size, consume_r, produce_r)
+            for i in range(n_fast):
+                order = ("jaxtransport", "numpy") if i % 2 == 0 else ("numpy", "jaxtransport")
                 for transport in order:
                     x = x_np if transport == "numpy" else x_jax
-                    kind = "numpy" if transport == "numpy" else "jax"
-                    use_jt = transport == "jaxtransport"
-                    with _registered(jr, transport != "ray-default"):
-                        for i in range(per_round + 1):
-                            gc.collect()
-                            t0 = time.perf_counter()
-                            nbytes = ray.get(consume_r.remote(x))
-                            t1 = time.perf_counter()
-                            assert nbytes == size
-                            if i:
-                                times.setdefault(("argument", transport), []).append(t1 - t0)
-                    for i in range(per_round + 1):
-                        gc.collect()
-                        t0 = time.perf_counter()
-                        out = ray.get(produce_r.remote(kind, size, use_jt))
-                        if isinstance(out, jax.Array):
-                            out.block_until_ready()
-                        t1 = time.perf_counter()
-                        del out
-                        if i:
-                            times.setdefault(("result", transport), []).append(t1 - t0)
+                    _time_pair(ray, jax, jr, times, transport, x, size, consume_r, produce_r)
             for name in ("argument", "result"):
                 base = statistics.median(times[(name, "ray-default")])
                 numpy_t = statistics.median(times[(name, "numpy")])
@@ -193,6 +182,27 @@ def run(
         ray.shutdown()
         jr.unregister()
     return rows
+
+
+def _time_pair(ray, jax, jr, times, transport, x, size, consume_r, produce_r) -> None:
+    """One timed argument call and one timed result call of ``transport``; appends to times."""
+    with _registered(jr, transport != "ray-default"):
+        gc.collect()
+        t0 = time.perf_counter()
+        nbytes = ray.get(consume_r.remote(x))
+        t1 = time.perf_counter()
+    if nbytes != size:
+        raise AssertionError(f"{transport}: the task saw {nbytes} bytes, not {size}")
+    times.setdefault(("argument", transport), []).append(t1 - t0)
+    kind = "numpy" if transport == "numpy" else "jax"
+    gc.collect()
+    t0 = time.perf_counter()
+    out = ray.get(produce_r.remote(kind, size, transport == "jaxtransport"))
+    if isinstance(out, jax.Array):
+        out.block_until_ready()
+    t1 = time.perf_counter()
+    del out
+    times.setdefault(("result", transport), []).append(t1 - t0)
 
 
 class _registered:
