@@ -153,9 +153,9 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             start = time.perf_counter()
             handle = be.broadcast(params)
             results = be.map(handle, tasks)
-            gathered = time.perf_counter()
             be.release(handle)
             del handle
+            gathered = time.perf_counter()
             trajs = [r[0] for r in results]
             carries = [r[1] for r in results]
             compute = max(float(r[2]) for r in results)
@@ -169,8 +169,8 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             else:  # nothing ended: the running episodes' returns so far (a lower bound)
                 mean_return = sum(float(c.state.ep_return.mean()) for c in carries) / len(carries)
             params, opt, _ = worker.learn(
-                params, opt, trajs, cfg.lr, cfg.table_lr, frame_size=cfg.frame_size, gamma=cfg.gamma,
-                entropy_coef=cfg.entropy_coef,
+                params, opt, trajs, cfg.lr, cfg.table_lr, frame_size=cfg.frame_size,
+                gamma=cfg.gamma, entropy_coef=cfg.entropy_coef,
             )
             jax.block_until_ready(params)
             del trajs, results
