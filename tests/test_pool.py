@@ -356,3 +356,29 @@ def test_import_has_no_side_effects():
         "print('ok', atexit._ncallbacks())\n"
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_closures_are_not_cached_across_calls(pool):
+    k = 1
+    f = lambda x: x + k  # noqa: E731
+    assert pool.map(f, range(4), chunksize=1) == [1, 2, 3, 4]
+    k = 10
+    assert pool.map(f, range(4), chunksize=1) == [10, 11, 12, 13]
+    assert pool.apply(f, (0,)) == 10
+
+
+def test_many_threads_submitting_at_once(pool):
+    import threading
+
+    out = {}
+
+    def client(i):
+        x = jnp.full((THRESH,), i, jnp.float32)
+        out[i] = [float(pool.apply(lambda a: a.sum(), (x,))) for _ in range(3)]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == {i: [float(i * THRESH)] * 3 for i in range(4)}
