@@ -137,6 +137,8 @@ def test_import_jaxtransport_ray_registers_and_starts_nothing():
         "assert not jr.is_registered()\n"
         "d = ray.cloudpickle.CloudPickler.dispatch\n"
         "assert not any(t in d.maps[0] for t in _codec.concrete_array_types())\n"
+        "import threading\n"
+        "assert not any(t.name.startswith('jaxtransport') for t in threading.enumerate())\n"
         "print('ok')"
     )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
