@@ -118,6 +118,7 @@ def plot(name: str, module: Any, rows: list[dict], path: str,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     xk = getattr(module, "PLOT_X", "size_bytes")
     yk = getattr(module, "PLOT_Y", "gbps")
@@ -133,17 +134,26 @@ def plot(name: str, module: Any, rows: list[dict], path: str,
               if not set(s) <= set(limits) and len({x for pts in s.values() for x, _ in pts}) >= 2}
     for series in groups.values():
         if not any(t in series for t in limits):
-            series.update({t: list(pts) for t, pts in shared.items()})
+            xs = [x for pts in series.values() for x, _ in pts]
+            lo, hi = min(xs), max(xs)
+            for t, pts in shared.items():
+                series[t] = [(x, y) for x, y in pts if lo <= x <= hi]
     if not groups:
         return False
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.2 * len(groups), 4.6), squeeze=False)
-    for ax, (group, series) in zip(axes[0], groups.items()):
+    ncols = min(2, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, (group, series) in zip(axes.flat, groups.items()):
         if yk == "gbps" and xk == "size_bytes" and not any(t in series for t in limits):
             sizes = sorted({int(x) for pts in series.values() for x, _ in pts})
             series["memcpy"] = [
                 (s, s / _common.warm_memcpy(s, memcpy_reps) / 1e9) for s in sizes
             ]
         for transport, pts in sorted(series.items(), key=lambda kv: kv[0] in limits):
+            if not pts:
+                continue
             pts.sort()
             xs, ys = zip(*pts)
             if transport in limits:
@@ -153,6 +163,11 @@ def plot(name: str, module: Any, rows: list[dict], path: str,
                 ax.plot(xs, ys, "o-", label=transport)
         ax.set_xscale("log", base=2 if xk == "size_bytes" else 10)
         ax.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        lo, hi = ax.get_ylim()
+        narrow = hi / lo < 10  # less than a decade: label the minor ticks too
+        ax.yaxis.set_minor_formatter(plain if narrow else matplotlib.ticker.NullFormatter())
         if xk == "size_bytes":
             ticks = sorted({x for pts in series.values() for x, _ in pts})
             ax.set_xticks(ticks)
