@@ -497,16 +497,18 @@ class Mapper:
         self.pending: collections.deque = collections.deque()
         self.live: dict[int, tuple] = {}  # addr -> handle of a live holder
 
-    def take_releases(self) -> list:
+    def take_releases(self, limit: int | None = None) -> list:
+        """Pop queued releases (at most ``limit``) for the sender."""
         if self.live:
             collect_deferred()
         out = []
         pop = self.pending.popleft
         try:
-            while True:
+            while limit is None or len(out) < limit:
                 out.append(pop())
         except IndexError:
-            return out
+            pass
+        return out
 
     def _drain(self, want: int | None, timeout: float) -> None:
         if self.sock is None:

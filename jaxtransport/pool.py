@@ -64,7 +64,11 @@ _TINY_TASK_S = 0.001
 _MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
 _CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
 _RELEASE_FLUSH_S = 0.05
-_DIRECT_SEND_MAX = 32 << 10  # chunks smaller than this are sent without the feeder hop
+# Chunks smaller than this are written directly by the thread that schedules them (no feeder
+# hop). With at most _PREFETCH_TINY of them unread per worker they stay far below a Unix
+# socket's buffer, so such a write never blocks (a blocked write in the manager thread could
+# deadlock against a worker blocked writing a large result).
+_DIRECT_SEND_MAX = 8 << 10
 _ENV_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[_State]" = weakref.WeakSet()
 _STOP = ("S",)
@@ -336,7 +340,8 @@ class _State:
                 try:
                     if not w.queued:
                         try:
-                            self._send(w, ("T", chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases()))
+                            rel = w.mapper.take_releases(64)  # keeps the message small
+                            self._send(w, ("T", chunk.chunk_id, enc.data, enc.entries, rel))
                         except (OSError, EOFError, ValueError):
                             pass  # the worker died: the manager handles its tasks
                         return

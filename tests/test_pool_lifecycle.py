@@ -181,6 +181,11 @@ def _spawn_script(code: str):
                             text=True, env=env)
 
 
+def _pool_like(entries):
+    # The machine is shared: look only at names a Python shared-memory pool would create.
+    return {e for e in entries if e.startswith(("psm_", "jaxtransport", "jt_"))}
+
+
 def _fds_of(pid):
     try:
         return os.listdir(f"/proc/{pid}/fd")
@@ -189,6 +194,7 @@ def _fds_of(pid):
 
 
 def test_interpreter_exit_with_live_pool(bounded):
+    shm_before = shm_entries()
     code = """
 import os, jax.numpy as jnp, jaxtransport as jt
 p = jt.Pool(2, shm_threshold=1024)
@@ -200,10 +206,12 @@ print("PIDS", *sorted(set(pids)), flush=True)
     pids = _script_workers(proc)
     assert proc.wait(60) == 0, proc.stderr.read()
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 10)
+    assert not _pool_like(shm_entries() - shm_before)  # nothing left in /dev/shm
     bounded(90)
 
 
 def test_sigint_in_parent_during_map(bounded):
+    shm_before = shm_entries()
     code = """
 import os, time, jax.numpy as jnp, jaxtransport as jt
 p = jt.Pool(2, shm_threshold=1024)
@@ -223,10 +231,12 @@ except KeyboardInterrupt:
     out = proc.stdout.read()
     assert "INTERRUPTED" in out and rc != 0
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 10)
+    assert not _pool_like(shm_entries() - shm_before)  # nothing left in /dev/shm
     bounded(90)
 
 
 def test_parent_killed_workers_follow(bounded):
+    shm_before = shm_entries()
     code = """
 import os, time, jaxtransport as jt
 p = jt.Pool(2)
@@ -239,6 +249,7 @@ time.sleep(60)
     proc.kill()
     proc.wait(10)
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 10)
+    assert not _pool_like(shm_entries() - shm_before)  # nothing left in /dev/shm
     bounded(90)
 
 
