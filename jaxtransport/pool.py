@@ -186,6 +186,7 @@ class _State:
         self.serials = itertools.count()
         self.trees: dict[int, _TreeRec] = {}
         self.self_pending: collections.deque = collections.deque()
+        self.gc_trees: collections.deque = collections.deque()  # SharedTrees collected unreleased
         self.feed: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = self.terminated = False
         self.broken: BaseException | None = None
@@ -253,8 +254,11 @@ class _State:
         return _WorkerRec(index, next(self.serials), proc, conn, fdsock)
 
     def _wake(self) -> None:
+        fd = self.wake_w
+        if fd < 0:
+            return  # closed: never write to a number the OS may have reused
         try:
-            os.write(self.wake_w, b"x")
+            os.write(fd, b"x")
         except OSError:
             pass
 
@@ -391,6 +395,18 @@ class _State:
                     w.trees.discard(rec.tree_id)
                     self.feed.put((w, ("X", rec.tree_id)))
             self.arena.release_all(rec.key)
+
+    def queue_tree_release(self, rec: _TreeRec) -> None:
+        self.gc_trees.append(rec)
+        self._wake()
+
+    def _drain_tree_releases(self) -> None:
+        while self.gc_trees:
+            try:
+                rec = self.gc_trees.popleft()
+            except IndexError:
+                return
+            SharedTree._release_rec(self, rec)
 
     def drain_self_releases(self, locked_cond: bool = False) -> None:
         pend = self.self_pending
@@ -613,6 +629,7 @@ class _State:
                 last_collect = now
                 _shm.collect_deferred()  # see collect_deferred: lets dead results release
             self.drain_self_releases()
+            self._drain_tree_releases()
             for fd, _ev in events:
                 if self.terminated:
                     return
@@ -790,7 +807,8 @@ class _State:
             w.dead = True
             _close_quietly(w)
         self.arena.close()
-        for fd in (self.wake_r, self.wake_w):
+        fds, self.wake_r, self.wake_w = (self.wake_r, self.wake_w), -1, -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
@@ -822,7 +840,9 @@ def _terminate_unreferenced(state: _State) -> None:
             ResourceWarning,
             stacklevel=2,
         )
-    state.terminate()
+    # A finalizer may run inside any thread, even one holding this pool's locks (a garbage
+    # collection can start at any allocation): terminate from a thread of its own.
+    threading.Thread(target=state.terminate, name="jaxtransport-pool-reaper", daemon=True).start()
 
 
 # --------------------------------------------------------------------------------------------
@@ -846,7 +866,9 @@ class SharedTree:
         self._rec = rec
         self._tree_id = rec.tree_id
         self.tree = tree
-        self._finalizer = weakref.finalize(self, SharedTree._release_rec, state, rec)
+        # Garbage collection only queues the release (it may run while this thread holds the
+        # pool's locks); the manager thread applies it. release() applies it at once.
+        self._finalizer = weakref.finalize(self, state.queue_tree_release, rec)
 
     @property
     def nbytes(self) -> int:
@@ -868,7 +890,8 @@ class SharedTree:
         """Stop using this tree: workers drop their cached copy, and the shared memory is freed
         once every worker has dropped its arrays. Tasks already submitted still see it.
         Calling it again is harmless."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            SharedTree._release_rec(self._state, self._rec)
 
     def __enter__(self) -> "SharedTree":
         return self
