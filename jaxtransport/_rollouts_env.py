@@ -133,6 +133,16 @@ def render(state: EnvState, frame_size: int) -> jax.Array:
     return jnp.round(frame).astype(jnp.uint8)
 
 
+def scene_rows(frame_size: int) -> tuple[int, int]:
+    """``(first, stop)``: :func:`render` draws only on rows ``first:stop``, from the highest the
+    pole's tip reaches to the bottom of the cart (about half the frame), a row of margin each
+    side."""
+    track_row, cart_half_h, pole_len, pole_half_t, _ = _geometry(frame_size)
+    first = max(math.floor(track_row - cart_half_h - pole_len - pole_half_t - 1.5), 0)
+    stop = min(math.ceil(track_row + cart_half_h + 1.5), frame_size)
+    return first, stop
+
+
 def read_frame(frame: jax.Array, frame_size: int) -> jax.Array:
     """Read the cart position and pole angle back from frames (the policy's fixed encoder).
 
@@ -140,24 +150,26 @@ def read_frame(frame: jax.Array, frame_size: int) -> jax.Array:
     estimates from intensity moments: the column centroid of the cart's band gives ``x``; the
     centroid of the pixels above it, relative to the cart's top centre, gives ``theta``. The
     estimates carry the (anti-aliased) pixel grid's quantization noise, as any pixel-based
-    agent's do. Costs two multiply-adds per pixel.
+    agent's do. Costs two multiply-adds per pixel of the rows the scene can occupy.
     """
     track_row, cart_half_h, _, _, px_per_m = _geometry(frame_size)
     top = track_row - cart_half_h
-    r0 = math.ceil(top - 0.5)  # first row of the cart's band (pixel centre at or below its top)
+    first, stop = scene_rows(frame_size)  # only the rows the renderer can draw on are read
+    r0 = math.ceil(top - 0.5) - first  # first row of the cart's band (centre at/below its top)
     centres = jnp.arange(frame_size, dtype=jnp.float32) + 0.5
+    rows = frame[..., first:stop, :]
     # Per-row intensity moments (mass, column moment) as one matrix product: XLA's CPU
     # reductions over a multiplied operand are several times slower than this GEMM.
-    flat = frame.reshape(-1, frame_size).astype(jnp.float32)
+    flat = rows.reshape(-1, frame_size).astype(jnp.float32)
     moments = (flat @ jnp.stack([jnp.ones_like(centres), centres], 1)).reshape(
-        frame.shape[:-1] + (2,)
+        rows.shape[:-1] + (2,)
     )
     mass, col = moments[..., 0], moments[..., 1]
     cart_mass = jnp.maximum(mass[..., r0:].sum(-1), 1e-3)
     pole_mass = jnp.maximum(mass[..., :r0].sum(-1), 1e-3)
     cx = col[..., r0:].sum(-1) / cart_mass
     pc = col[..., :r0].sum(-1) / pole_mass
-    pr = (mass[..., :r0] * centres[:r0]).sum(-1) / pole_mass
+    pr = (mass[..., :r0] * centres[first:first + r0]).sum(-1) / pole_mass
     theta = jnp.arctan2(pc - cx, top - pr)
     return jnp.stack([cx / px_per_m - VIEW_X, theta], axis=-1)
 

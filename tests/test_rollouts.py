@@ -96,6 +96,21 @@ def test_render_and_read_back(frame_size):
     assert not np.array_equal(np.asarray(frames[0]), np.asarray(frames[1]))
 
 
+@pytest.mark.parametrize("frame_size", [16, 24, 84, 101])
+def test_render_stays_in_the_rows_the_encoder_reads(frame_size):
+    """read_frame reads only env.scene_rows: nothing may be drawn outside them, whatever the
+    state (cart at the edges, pole upright or lying flat on either side)."""
+    xs = jnp.array([-2.8, -2.4, 0.0, 2.4, 2.8])
+    thetas = jnp.linspace(-jnp.pi / 2, jnp.pi / 2, 13)
+    x, th = (a.reshape(-1) for a in jnp.meshgrid(xs, thetas))
+    s = env.reset_batch(jax.random.key(0), x.shape[0])._replace(x=x, theta=th)
+    frames = np.asarray(jax.vmap(env.render, in_axes=(0, None))(s, frame_size))
+    first, stop = env.scene_rows(frame_size)
+    assert 0 <= first < stop <= frame_size
+    assert frames[:, first:stop].any(axis=(1, 2)).all()
+    assert not frames[:, :first].any() and not frames[:, stop:].any()
+
+
 def test_velocity_features_from_frame_pairs():
     s0 = env.EnvState(*(jnp.float32(v) for v in (0.3, 0.8, 0.05, -0.6)), jnp.int32(0),
                       jnp.float32(0))
