@@ -56,21 +56,20 @@ def _entry(k: int) -> Any:
         raise ShmHandleError(f"Corrupt message: entry {k!r} is not in this message") from None
 
 
+_encoding = threading.local()  # .router: the _Router of the pickling in progress
+
+
 class _Router:
     """Per-encode state: which objects go to shared memory (``found``) as ``_entry(k)``."""
 
     def __init__(self, threshold: int, tree_type: type | None):
         self.threshold = threshold
+        self.tree_type = tree_type
         self.found: list[tuple[str, Any]] = []
         self._seen: dict[int, int] = {}
         self.trees: list[Any] = []
-        route = {t: self._reduce_jax for t in _codec.concrete_array_types()}
-        route[np.ndarray] = self._reduce_np
-        if tree_type is not None:
-            route[tree_type] = self._reduce_tree
-        self.route = route
 
-    def _add(self, kind: str, obj: Any):
+    def add(self, kind: str, obj: Any):
         k = self._seen.get(id(obj))
         if k is None:
             k = self._seen[id(obj)] = len(self.found)
@@ -79,22 +78,43 @@ class _Router:
                 self.trees.append(obj)
         return _entry, (k,)
 
-    def _reduce_np(self, obj):
-        if obj.nbytes < self.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
-            return obj.__reduce_ex__(_PICKLE_PROTOCOL)
-        return self._add("np", obj)
 
-    def _reduce_jax(self, obj):
-        try:
-            nb = obj.nbytes
-        except Exception:
-            nb = 0
-        if nb < self.threshold or nb == 0:
-            return _pickling._reduce_array(obj)
-        return self._add("jax", obj)
+def _route_np(obj):
+    r = _encoding.router
+    if obj.nbytes < r.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
+        return obj.__reduce_ex__(_PICKLE_PROTOCOL)
+    return r.add("np", obj)
 
-    def _reduce_tree(self, obj):
-        return self._add("tree", obj)
+
+def _route_jax(obj):
+    r = _encoding.router
+    try:
+        nb = obj.nbytes
+    except Exception:
+        nb = 0
+    if nb < r.threshold or nb == 0:
+        return _pickling._reduce_array(obj)
+    return r.add("jax", obj)
+
+
+def _route_tree(obj):
+    r = _encoding.router
+    if r.tree_type is None or type(obj) is not r.tree_type:
+        return obj.__reduce__()  # refuses with an explanation
+    return r.add("tree", obj)
+
+
+_ROUTES: dict = {}
+
+
+def _routes(tree_type: type | None) -> dict:
+    if not _ROUTES:
+        for t in _codec.concrete_array_types():
+            _ROUTES[t] = _route_jax
+        _ROUTES[np.ndarray] = _route_np
+    if tree_type is not None and tree_type not in _ROUTES:
+        _ROUTES[tree_type] = _route_tree
+    return _ROUTES
 
 
 class _Encoder(_pickling._Pickler):
@@ -104,8 +124,7 @@ class _Encoder(_pickling._Pickler):
 
     def __init__(self, file, router: _Router):
         super().__init__(file, protocol=_PICKLE_PROTOCOL)
-        self.router = router
-        self.route = router.route
+        self.route = _routes(router.tree_type)
 
     def reducer_override(self, obj):
         r = self.route.get(type(obj))
@@ -122,24 +141,26 @@ def _refuse_fast(obj):
     raise _Fallback
 
 
-_BASE_TABLE: dict = {}
-_BASE_KEY = None
+_TABLE: dict = {}
+_TABLE_KEY = None
 
 
-def _base_table() -> dict:
-    """copyreg's table plus refusing entries for Tracers (the cloudpickle path names them)."""
-    global _BASE_TABLE, _BASE_KEY
+def _fast_table(tree_type: type | None) -> dict:
+    """copyreg's table + the routes + refusing entries for Tracers (the cloudpickle path then
+    names them). Rebuilt only when copyreg's table changes size."""
+    global _TABLE, _TABLE_KEY
     import copyreg
 
-    from ._tracers import tracer_types
+    key = (len(copyreg.dispatch_table), tree_type)
+    if key != _TABLE_KEY:
+        from ._tracers import tracer_types
 
-    key = (len(copyreg.dispatch_table), tuple(copyreg.dispatch_table))
-    if key != _BASE_KEY:
         table = dict(copyreg.dispatch_table)
         for t in tracer_types():
             table[t] = _refuse_fast
-        _BASE_TABLE, _BASE_KEY = table, key
-    return _BASE_TABLE
+        table.update(_routes(tree_type))
+        _TABLE, _TABLE_KEY = table, key
+    return _TABLE
 
 
 def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
@@ -152,7 +173,7 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
         return None
     buf = io.BytesIO()
     p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
-    p.dispatch_table = {**_base_table(), **router.route}
+    p.dispatch_table = _fast_table(router.tree_type)
     try:
         p.dump(obj)
     except TracerTransportError:
@@ -214,25 +235,24 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
     before any shared memory is touched.
     """
     limit = threshold if threshold is not None else 1 << 62
-    router = _Router(limit, tree_type)
+    outer = getattr(_encoding, "router", None)  # pickling can nest (a reducer that pickles)
+    router = _encoding.router = _Router(limit, tree_type)
     try:
         data = _fast_pickle(obj, router)
+        if data is not None:
+            return Prepared(data, router.found, router.trees)
+        router = _encoding.router = _Router(limit, tree_type)
+        buf = io.BytesIO()
+        try:
+            _Encoder(buf, router).dump(obj)
+        except TracerTransportError as e:
+            path = locate() if (locate is not None and e.path is None) else None
+            if path is not None:
+                raise TracerTransportError(e.description, path, where=e.where) from None
+            raise
+        return Prepared(buf.getvalue(), router.found, router.trees)
     finally:
-        router.route.clear()  # its bound methods make a cycle that would pin ``found``
-    if data is not None:
-        return Prepared(data, router.found, router.trees)
-    router = _Router(limit, tree_type)
-    buf = io.BytesIO()
-    try:
-        _Encoder(buf, router).dump(obj)
-    except TracerTransportError as e:
-        path = locate() if (locate is not None and e.path is None) else None
-        if path is not None:
-            raise TracerTransportError(e.description, path, where=e.where) from None
-        raise
-    finally:
-        router.route.clear()
-    return Prepared(buf.getvalue(), router.found, router.trees)
+        _encoding.router = outer
 
 
 def commit(
