@@ -22,10 +22,12 @@ alternating call by call, so drift and other processes' noise hit both alike.
     python -m benchmarks.ray_transfer [--quick] [--reps N] [--min-mib M] [--max-mib M]
 
 ``run(quick=...)`` returns the rows (dicts: name, size_bytes, transport, seconds, gbps, ratio,
-vs_numpy, spread) for the lead's tables and plots. ``ratio`` is the speedup over
-``ray-default`` (t_default / t); ``vs_numpy`` is t / t_numpy (1.0 = as fast as numpy).
-Targets (issue 5): jaxtransport ratio >= 4 at >= 64 MiB for arguments and for results;
-vs_numpy <= 1.1.
+vs_numpy, paired_vs_numpy, spread) for the lead's tables and plots. ``ratio`` is the speedup
+over ``ray-default`` (t_default / t); ``vs_numpy`` is median(t) / median(t_numpy) (1.0 = as fast
+as numpy); ``paired_vs_numpy`` is the median over the alternating calls of t_i / t_numpy_i, each
+pair measured back to back: on a busy machine it cancels the load that drifts between calls,
+which the ratio of medians does not. Targets (issue 5): jaxtransport ratio >= 4 at >= 64 MiB for
+arguments and for results; within 1.1x of numpy (judged on paired_vs_numpy; both printed).
 """
 
 from __future__ import annotations
@@ -172,6 +174,11 @@ def run(
                         "gbps": size / med / 1e9,
                         "ratio": base / med,
                         "vs_numpy": med / numpy_t,
+                        "paired_vs_numpy": statistics.median(
+                            a / b for a, b in zip(times[(name, transport)], times[(name, "numpy")])
+                        )
+                        if transport != "ray-default"
+                        else None,
                         "spread": spread,
                         "reps": len(times[(name, transport)]),
                     }
@@ -231,7 +238,9 @@ def _fmt(row: dict) -> str:
     return (
         f"{row['name']:8s} {_human(row['size_bytes']):>8s} {row['transport']:12s} "
         f"{row['seconds'] * 1e3:10.2f} ms {row['gbps']:8.3f} GB/s  x{row['ratio']:6.2f} vs "
-        f"default  {row['vs_numpy']:5.2f} of numpy  (spread {row['spread']:.0%}, "
+        f"default  {row['vs_numpy']:5.2f} of numpy"
+        + (f" (paired {row['paired_vs_numpy']:4.2f})" if row.get("paired_vs_numpy") else "")
+        + f"  (spread {row['spread']:.0%}, "
         f"n={row['reps']})"
     )
 
@@ -250,7 +259,8 @@ def environment() -> str:
 
 def check_targets(rows: list[dict]) -> list[str]:
     """PASS/MISS lines for issue 5's targets, per direction, over sizes >= 64 MiB: speedup over
-    Ray's default >= 4x, and time within 1.1x of Ray's numpy path (medians, same run)."""
+    Ray's default >= 4x (ratio of medians), and time within 1.1x of Ray's numpy path (judged on
+    the paired ratio; the ratio of medians is printed next to it)."""
     out = []
     for name in ("argument", "result"):
         big = [r for r in rows if r["name"] == name and r["transport"] == "jaxtransport"
@@ -264,10 +274,14 @@ def check_targets(rows: list[dict]) -> list[str]:
             f"{_human(worst['size_bytes'])})"
         )
         worst = max(big, key=lambda r: r["vs_numpy"])
+        worst_paired = max(big, key=lambda r: r["paired_vs_numpy"])
+        ok = worst_paired["paired_vs_numpy"] <= 1.1  # the estimator the ABBA design is for
         out.append(
-            f"{'PASS' if worst['vs_numpy'] <= 1.1 else 'MISS'} {name}s >= 64 MiB: time <= "
-            f"{worst['vs_numpy']:.2f}x Ray's numpy path (target 1.1x; highest at "
-            f"{_human(worst['size_bytes'])}, spread {worst['spread']:.0%})"
+            f"{'PASS' if ok else 'MISS'} {name}s >= 64 MiB: time <= "
+            f"{worst_paired['paired_vs_numpy']:.2f}x Ray's numpy path, paired calls (highest at "
+            f"{_human(worst_paired['size_bytes'])}); ratio of medians <= "
+            f"{worst['vs_numpy']:.2f}x (highest at {_human(worst['size_bytes'])}, spread "
+            f"{worst['spread']:.0%}); target 1.1x"
         )
     return out
 
