@@ -382,3 +382,24 @@ def test_many_threads_submitting_at_once(pool):
     for t in threads:
         t.join(60)
     assert out == {i: [float(i * THRESH)] * 3 for i in range(4)}
+
+
+def test_sharded_arrays_keep_their_sharding_with_preserve():
+    code = """
+import jax, jax.numpy as jnp, numpy as np, jaxtransport as jt
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+def info(a):
+    return str(a.sharding.spec), len(a.sharding.device_set), float(a.sum()), a
+if __name__ == "__main__":
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+    x = jax.device_put(jnp.arange(1 << 18, dtype=jnp.float32).reshape(512, 512), NamedSharding(mesh, P("x", "y")))
+    with jt.Pool(1, shm_threshold=1024, placement="preserve") as p:
+        spec, ndev, total, back = p.apply(info, (x,))
+    assert spec in ("P('x', 'y')", "PartitionSpec('x', 'y')") and ndev == 4, (spec, ndev)
+    assert total == float(x.sum())
+    assert back.sharding == x.sharding and bool((back == x).all())
+    print("ok")
+"""
+    out = run_python(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout

@@ -301,3 +301,33 @@ def test_gpu_receivers_release_after_copy_or_cpu_aliases():
         out = p.apply(lambda x: (jax.default_backend(), len(worker().mapper.live)), (jnp.ones(MIB),))
     backend, live = out
     assert live == (1 if backend == "cpu" else 0)
+
+
+def rollout(args):
+    tree, seed = args
+    import jax
+
+    key = jax.random.key(seed)
+    return {"obs": jax.random.normal(key, (512, 1024)) + tree["w"][0, 0], "seed": seed}
+
+
+def test_rollout_pattern_reaches_a_steady_state():
+    """share(params) every iteration + map over (shared, seed) + MB-sized results: memory is
+    recycled (no new segments after warm-up) and everything is given back each iteration."""
+    with jt.Pool(2) as p:
+        arena = p._state.arena
+        params = {"w": jnp.ones((1024, 1024)), "b": jnp.zeros(1024)}
+        segs = []
+        for it in range(6):
+            shared = p.share(params)
+            out = p.map(rollout, [(shared, it * 10 + i) for i in range(4)], chunksize=1)
+            assert [o["seed"] for o in out] == [it * 10 + i for i in range(4)]
+            assert all(o["obs"].shape == (512, 1024) for o in out)
+            shared.release()
+            del out
+            gc.collect()
+            segs.append(arena.segments_created)
+        assert segs[-1] == segs[1], segs
+        worker_segs = {pid: n for pid, n in p.map(pid_and_stats, range(8), chunksize=1)}
+        assert all(n <= 4 for n in worker_segs.values()), worker_segs
+        assert wait_until(lambda: arena.in_use() == 0, 10)
