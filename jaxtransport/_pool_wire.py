@@ -28,7 +28,6 @@ import numpy as np
 from . import _codec, _pickling
 from ._errors import ShmHandleError, TracerTransportError
 from ._shm import ALIGN, Arena, Mapper
-from ._tracers import find_tracer
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
 

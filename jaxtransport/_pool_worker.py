@@ -299,11 +299,9 @@ def _pack_error(e: BaseException, note: str | None = None):
     if note:
         tb = f"{tb}({note})\n"
     e.__traceback__ = None
+    exc = e
     try:
-        exc = pickle.loads(cloudpickle.dumps(e))
-        exc.__traceback__ = None
-        exc = e
-        cloudpickle.dumps(exc)
+        pickle.loads(cloudpickle.dumps(e))  # it must also rebuild in the parent
     except Exception:
         from ._errors import TransportError
 
