@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport import _pool_wire, pool as pool_mod
+from jaxtransport import _pool_state, _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
 from .conftest import wait_until
@@ -250,7 +250,7 @@ def test_capacity_reached_waits_while_tasks_drain():
 
 
 def test_capacity_reached_with_nothing_in_flight_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_CAPACITY_GRACE_S", 0.3)
+    monkeypatch.setattr(_pool_state, "_CAPACITY_GRACE_S", 0.3)
     with jt.Pool(1, shm_capacity=8 * MIB) as p:
         s1 = p.share({"w": jnp.ones(3 * MIB // 4)})
         s2 = p.share({"w": jnp.ones(3 * MIB // 4)})
