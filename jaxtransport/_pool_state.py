@@ -176,6 +176,7 @@ class _State:
         self.early_deaths = 0
         self.tls = threading.local()
         self.space = threading.Condition(threading.Lock())  # imap feeding backpressure
+        self.imap_feeders = 0  # imap threads that may wait on self.space
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         try:
@@ -351,18 +352,20 @@ class _State:
 
     # -- completing
     def _finish_chunk(self, chunk: _Chunk, ok: bool, value) -> None:
-        with self.lock:
-            for tree in chunk.trees:
-                rec = tree._rec
-                rec.users -= 1
-                self._maybe_free_tree(rec)
+        if chunk.trees:
+            with self.lock:
+                for tree in chunk.trees:
+                    rec = tree._rec
+                    rec.users -= 1
+                    self._maybe_free_tree(rec)
         result, chunk.result = chunk.result, None
         try:
             if result is not None:
                 result._chunk_done(chunk.index, ok, value)
         finally:
-            with self.space:
-                self.space.notify_all()
+            if self.imap_feeders:
+                with self.space:
+                    self.space.notify_all()
 
     def _fail_chunk(self, chunk: _Chunk, exc: BaseException) -> None:
         self.arena.release_all(chunk.key)

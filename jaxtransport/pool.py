@@ -326,6 +326,16 @@ class Pool:
 
 
 def _feed_imap(state: _State, it: IMapIterator, func, source, chunksize: int) -> None:
+    with state.space:
+        state.imap_feeders += 1
+    try:
+        _feed_imap_chunks(state, it, func, source, chunksize)
+    finally:
+        with state.space:
+            state.imap_feeders -= 1
+
+
+def _feed_imap_chunks(state: _State, it: IMapIterator, func, source, chunksize: int) -> None:
     index = 0
     limit = 2 * state.processes + 2
     try:
