@@ -42,12 +42,18 @@ def worker_env(
     gpus: list[str] | None = None,
 ) -> dict:
     """Variables for worker ``index``: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's
-    ``JAX_PLATFORMS``, and on multi-GPU hosts a round-robin ``CUDA_VISIBLE_DEVICES`` of
+    ``JAX_PLATFORMS`` (and ``JAX_ENABLE_X64=1`` when the parent enabled x64), and on multi-GPU hosts a round-robin ``CUDA_VISIBLE_DEVICES`` of
     ``devices_per_worker`` GPUs (default 1); ``overrides`` win (a value of None unsets)."""
     env: dict[str, str | None] = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     platforms = _parent_platforms()
     if platforms:
         env["JAX_PLATFORMS"] = platforms
+    jax = sys.modules.get("jax")
+    try:
+        if jax is not None and jax.config.jax_enable_x64:
+            env["JAX_ENABLE_X64"] = "1"  # float64 arguments must stay float64 in the workers
+    except AttributeError:
+        pass
     gpus = gpu_ids() if gpus is None else gpus
     on_cpu_only = platforms is not None and platforms.strip().lower() == "cpu"
     if len(gpus) > 1 and not on_cpu_only:

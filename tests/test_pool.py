@@ -403,3 +403,19 @@ if __name__ == "__main__":
     out = run_python(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok" in out.stdout
+
+
+def test_parent_x64_setting_reaches_workers():
+    code = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, jaxtransport as jt
+if __name__ == "__main__":
+    with jt.Pool(1, shm_threshold=1024) as p:
+        out = p.apply(lambda a: (str(a.dtype), a * 2), (jnp.arange(4096, dtype=jnp.float64),))
+    assert out[0] == "float64" and out[1].dtype == jnp.float64, out[0]
+    print("ok")
+"""
+    out = run_python(code, env={"JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout
