@@ -158,14 +158,18 @@ def _deserialize(payload: tuple) -> Any:
 # the object pinned in the object store indefinitely - measured: 64 MiB stayed "in use" after
 # the task and the driver's ref were gone, until the worker's next JAX call. So every array we
 # decode gets a ``weakref.finalize`` that wakes one daemon thread, which drains jaxlib's queue a
-# moment later (twice: the runtime thread may enqueue after the callback). The callback only
+# moment later, and again with back-off (the runtime thread may enqueue after the callback,
+# late on a loaded machine). The callback only
 # puts a token on a SimpleQueue (reentrant, so safe from a callback that a garbage collection
 # runs in any thread, even the reaper itself). The thread exists only in processes that
 # decoded an array through Ray, blocks on the queue otherwise, and dies with the process.
-# Cost: a few microseconds per decoded array, two GIL acquisitions per burst of deaths.
+# Cost: a few microseconds per decoded array, four short GIL acquisitions per burst of deaths.
 
 _reaper_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in weakref callbacks
 _reaper: threading.Thread | None = None
+# Seconds between drains after a death: soon, then backing off, because on a loaded machine the
+# runtime thread may queue the decref well after the array died (cumulative ~2.6 s).
+_REAP_DELAYS = (0.005, 0.05, 0.5, 2.0)
 
 
 def _collect_jax_garbage() -> None:
@@ -181,15 +185,17 @@ def _collect_jax_garbage() -> None:
 
 def _reap_forever() -> None:
     while True:
-        _reaper_queue.get()
-        try:
-            while True:  # one pass serves every array that died meanwhile
-                _reaper_queue.get_nowait()
-        except queue.Empty:
-            pass
-        for delay in (0.005, 0.05):
-            time.sleep(delay)
-            _collect_jax_garbage()
+        _reaper_queue.get()  # an array died
+        step = 0
+        while step < len(_REAP_DELAYS):
+            try:
+                _reaper_queue.get(timeout=_REAP_DELAYS[step])
+            except queue.Empty:
+                _collect_jax_garbage()
+                step += 1
+            else:  # another one died: drain for the earlier ones, restart the schedule
+                _collect_jax_garbage()
+                step = 0
 
 
 def _release_promptly(out: Any) -> None:
