@@ -22,24 +22,34 @@ from . import _rollouts_worker as worker
 BACKENDS = ("pool", "ray")
 TRANSPORTS = ("jaxtransport", "stock")
 
-# What every worker process gets, whichever backend: JAX on the host CPU unless told otherwise,
-# and no GPU memory grab (N workers sharing a GPU must not each preallocate 75% of it).
+# What every worker process gets, whichever backend and transport: JAX on the host CPU unless
+# told otherwise, and no GPU memory grab (N workers sharing a GPU must not each preallocate 75%
+# of it).
 _WORKER_ENV_DEFAULTS = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+# One XLA compute thread per worker when the workers fill the machine's cores: otherwise every
+# worker's thread pool spans all cores and they slow each other down (the reason Ray sets
+# OMP_NUM_THREADS=1 for its tasks).
+_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(workers: int) -> dict[str, str]:
+    """Environment variables for the workers of a run with ``workers`` workers (the same for
+    the stock and the jaxtransport transports)."""
     env = dict(_WORKER_ENV_DEFAULTS)
     for name in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS"):
         if name in os.environ:
             env[name] = os.environ[name]
+    flags = env.get("XLA_FLAGS", "")
+    if workers >= (os.cpu_count() or 1) and "intra_op_parallelism_threads" not in flags:
+        env["XLA_FLAGS"] = f"{flags} {_ONE_THREAD}".strip()
     return env
 
 
-def _warm_up(warm: tuple | None) -> None:
-    """Pool initializer: compile the rollout for this run's shapes before the first task, so
-    every worker pays compilation while the pool starts, not inside a timed iteration."""
-    for name, value in _WORKER_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+def _warm_up(env: dict[str, str], warm: tuple | None) -> None:
+    """Pool initializer: set the worker environment (before this process first uses JAX), then
+    compile the rollout for this run's shapes, so every worker pays compilation while the pool
+    starts, not inside a timed iteration."""
+    os.environ.update(env)
     if warm is not None:
         worker.warm_up(*warm)
 
@@ -91,7 +101,17 @@ class StockPool(Backend):
         self.name = "pool/stock"
         self.timeout = timeout
         ctx = multiprocessing.get_context("spawn")
-        self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(warm,))
+        env = worker_env(workers)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # spawned workers start with the parent's environment
+        try:
+            self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(env, warm))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def broadcast(self, params):
         return params  # pickled again into every task: multiprocessing has no broadcast
@@ -120,7 +140,9 @@ class JaxtransportPool(Backend):
         self.timeout = timeout
         from .pool import Pool  # jaxtransport.Pool
 
-        self._pool = Pool(workers, initializer=_warm_up, initargs=(warm,), start_method="spawn")
+        env = worker_env(workers)
+        self._pool = Pool(workers, initializer=_warm_up, initargs=(env, warm),
+                          start_method="spawn", worker_env=env)
 
     def broadcast(self, params):
         return self._pool.share(params)
@@ -171,7 +193,7 @@ class RayBackend(Backend):
                 "address to the demo (--address) instead"
             )
         kwargs: dict[str, Any] = {
-            "runtime_env": {"env_vars": worker_env()},
+            "runtime_env": {"env_vars": worker_env(workers)},
             "logging_level": "ERROR",
             "log_to_driver": False,
         }

@@ -19,15 +19,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 N_TILINGS = 16
 BINS = 8
 # Ranges the features are scaled from (clipped outside): x, x_dot, theta, theta_dot.
-FEATURE_LOW = jnp.array([-2.4, -3.0, -0.21, -3.5], jnp.float32)
-FEATURE_HIGH = jnp.array([2.4, 3.0, 0.21, 3.5], jnp.float32)
+FEATURE_LOW = np.array([-2.4, -3.0, -0.21, -3.5], np.float32)
+FEATURE_HIGH = np.array([2.4, 3.0, 0.21, 3.5], np.float32)
 # Asymmetric tiling offsets (1, 3, 5, 7), as recommended for tile coding.
-_OFFSET_STEPS = jnp.array([1.0, 3.0, 5.0, 7.0], jnp.float32)
-_HASH_PRIMES = jnp.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F], jnp.uint32)
+_OFFSET_STEPS = np.array([1.0, 3.0, 5.0, 7.0], np.float32)
+_HASH_PRIMES = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F], np.uint32)
 
 
 def table_rows(param_mb: float, hidden: int) -> int:

@@ -97,6 +97,9 @@ def rollout(params, carry: Carry, key, frame_size: int, steps: int):
     ``compute_seconds`` covers the jitted rollout until its outputs are ready, in this process;
     it excludes receiving the arguments and sending the results (the transport).
     """
+    # Arguments that just arrived may still be landing on the device (an unpickled array's
+    # host-to-device copy runs asynchronously): that is receiving, not computing.
+    jax.block_until_ready((params, carry, key))
     start = time.perf_counter()
     traj, carry = _rollout(params, carry, key, frame_size=frame_size, steps=steps)
     jax.block_until_ready((traj, carry))
