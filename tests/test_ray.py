@@ -399,7 +399,8 @@ def test_put_get_aliases_the_object_store_buffer(registered, monkeypatch):
 def _plasma_used_bytes() -> int:
     from ray._private.internal_api import memory_summary
 
-    text = memory_summary(stats_only=True)
+    # Name our cluster: another Ray on the machine makes address autodetection ambiguous.
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     m = re.search(r"Plasma memory usage (\d+) MiB", text)
     assert m, text
     return int(m.group(1)) * MiB
