@@ -166,8 +166,21 @@ class JaxtransportPool(Backend):
         self._pool.join()
 
 
+class RolloutWorker:
+    """A Ray actor running rollouts: one per worker, each on its own CPU, compiled once at
+    start (as the Pool's initializer does), reused every iteration -- how Ray RL libraries run
+    their rollout workers."""
+
+    def __init__(self, env: dict[str, str], warm: tuple | None):
+        _warm_up(env, warm)
+
+    def rollout(self, params, carry, key, frame_size: int, steps: int):
+        return worker.rollout(params, carry, key, frame_size, steps)
+
+
 class RayBackend(Backend):
-    """Ray tasks; the parameters ``ray.put`` once per iteration and passed by reference.
+    """Ray actors (:class:`RolloutWorker`); the parameters ``ray.put`` once per iteration and
+    passed by reference to every actor.
 
     ``transport="jaxtransport"`` starts (or joins) Ray with ``jaxtransport.ray.init``: the
     serializers are registered in the driver and, through the job's setup hook, in every
@@ -176,7 +189,7 @@ class RayBackend(Backend):
     """
 
     def __init__(self, workers: int, transport: str, address: str | None, timeout: float,
-                 cpu_wait_s: float = 120.0):
+                 warm: tuple | None = None, cpu_wait_s: float = 120.0):
         self.timeout = timeout
         try:
             import ray
@@ -212,21 +225,25 @@ class RayBackend(Backend):
         try:
             if address is not None:
                 _wait_for_cpus(ray, workers, timeout=cpu_wait_s)
+            actor = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
+            env = worker_env(workers)
+            self._actors = [actor.remote(env, warm) for _ in range(workers)]
         except BaseException:
             self.close()
             raise
-        self._remote = ray.remote(num_cpus=1, max_retries=0)(worker.rollout)
 
     def broadcast(self, params):
         return self._ray.put(params)
 
     def map(self, handle, tasks):
-        refs = [self._remote.remote(handle, *t) for t in tasks]
+        if len(tasks) > len(self._actors):
+            raise ValueError(f"{len(tasks)} tasks for {len(self._actors)} rollout actors")
+        refs = [a.rollout.remote(handle, *t) for a, t in zip(self._actors, tasks)]
         try:
             return self._ray.get(refs, timeout=self.timeout)
         except self._ray.exceptions.GetTimeoutError:
-            for ref in refs:
-                self._ray.cancel(ref, force=True)
+            for a in self._actors:
+                self._ray.kill(a)
             raise _timeout_error(self.name, self.timeout) from None
 
     def close(self):
@@ -277,7 +294,7 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     if address is not None and backend != "ray":
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
     if backend == "ray":
-        return RayBackend(workers, transport, address, timeout)
+        return RayBackend(workers, transport, address, timeout, warm)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)
