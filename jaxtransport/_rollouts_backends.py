@@ -4,8 +4,9 @@ Each backend does three things per iteration: ``broadcast(params)`` makes the po
 every worker once (``Pool.share`` / ``ray.put``; the stock Pool has no broadcast, so the
 parameters travel with every task, as they do with ``multiprocessing.Pool``), ``map(handle,
 tasks)`` runs one rollout task per worker and returns the results in order, and
-``release(handle)`` frees the broadcast. ``close()`` (or leaving the ``with`` block) shuts
-everything the backend started down, on success and on error.
+``release(handle)`` frees the broadcast. On Ray the tasks run on one actor per worker.
+``close()`` shuts everything the backend started down; leaving the ``with`` block on an error
+(or Ctrl-C) terminates the workers instead of waiting for them.
 
 The stock variants run the same loop through the same calls with ``multiprocessing.Pool``
 (spawn context) or Ray's default serialization: the only difference measured is the transport.

@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
                    help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
-                   "ray: Ray tasks")
+                   "ray: one Ray actor per worker")
     p.add_argument("--address", default=None,
                    help="address of a running Ray cluster (head:6379, or auto); this machine "
                    "must be one of its nodes (ray start --address=...); none: start a local "
