@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m jaxtransport.rollouts
+	$(PY) -m jaxtransport.rollouts --compare
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
