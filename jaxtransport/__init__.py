@@ -9,9 +9,14 @@ from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
 from ._errors import ArrayDeletedError as ArrayDeletedError
 from ._errors import DtypeUnavailableError as DtypeUnavailableError
 from ._errors import PlacementError as PlacementError
+from ._errors import PoolStateError as PoolStateError
+from ._errors import PoolTerminatedError as PoolTerminatedError
+from ._errors import ShmCapacityError as ShmCapacityError
+from ._errors import ShmHandleError as ShmHandleError
 from ._errors import TracerTransportError as TracerTransportError
 from ._errors import TransportError as TransportError
 from ._errors import UnsupportedArrayError as UnsupportedArrayError
+from ._errors import WorkerLostError as WorkerLostError
 from ._pickling import dumps as dumps
 from ._pickling import is_registered as is_registered
 from ._pickling import loads as loads
@@ -30,10 +35,15 @@ __all__ = [
     "PlacementError",
     "PlacementFallbackWarning",
     "Pool",
+    "PoolStateError",
+    "PoolTerminatedError",
     "SharedTree",
+    "ShmCapacityError",
+    "ShmHandleError",
     "TracerTransportError",
     "TransportError",
     "UnsupportedArrayError",
+    "WorkerLostError",
     "check_transportable",
     "dumps",
     "is_registered",
