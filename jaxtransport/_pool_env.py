@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+from typing import Iterator, Mapping
 
-__all__ = ["gpu_ids", "worker_env"]
+__all__ = ["environ_overlay", "gpu_ids", "worker_env"]
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def environ_overlay(env: Mapping[str, str | None]) -> Iterator[None]:
+    """Apply ``env`` to ``os.environ`` (None unsets) for the duration of the block, then restore
+    exactly what was there. Spawned children start with the parent's environment at exec time,
+    so this is how a child's variables reach it before anything (JAX included) runs there.
+    Holds a process-wide lock: concurrent overlays never interleave."""
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            _apply(env)
+            yield
+        finally:
+            _apply(saved)
+
+
+def _apply(env: Mapping[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def gpu_ids() -> list[str]:

@@ -51,7 +51,6 @@ _RELEASE_FLUSH_S = 0.05
 # socket's buffer, so such a write never blocks (a blocked write in the manager thread could
 # deadlock against a worker blocked writing a large result).
 _DIRECT_SEND_MAX = 8 << 10
-_ENV_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[_State]" = weakref.WeakSet()
 _STOP = ("S",)
 
@@ -211,21 +210,8 @@ class _State:
             if self.start_method == "spawn":
                 # The child's environment is os.environ at exec time: set it there so that even
                 # code JAX runs while re-importing __main__ sees it (forkserver: set in the child).
-                with _ENV_LOCK:
-                    saved = {k: os.environ.get(k) for k in env}
-                    try:
-                        for k, v in env.items():
-                            if v is None:
-                                os.environ.pop(k, None)
-                            else:
-                                os.environ[k] = v
-                        proc.start()
-                    finally:
-                        for k, v in saved.items():
-                            if v is None:
-                                os.environ.pop(k, None)
-                            else:
-                                os.environ[k] = v
+                with _pool_env.environ_overlay(env):
+                    proc.start()
             else:
                 proc.start()
         except BaseException:

@@ -19,6 +19,7 @@ import os
 from typing import Any, Sequence
 
 from . import _rollouts_worker as worker
+from ._pool_env import environ_overlay
 
 BACKENDS = ("pool", "ray")
 TRANSPORTS = ("jaxtransport", "stock")
@@ -95,27 +96,12 @@ def _timeout_error(name: str, timeout: float) -> TimeoutError:
     )
 
 
-class StockPool(Backend):
-    """``multiprocessing.Pool`` (spawn): arguments and results pickled through its pipes."""
+class _PoolBackend(Backend):
+    """What both Pool backends share: ``self._pool`` has the multiprocessing.Pool API."""
 
-    def __init__(self, workers: int, warm: tuple | None, timeout: float):
-        self.name = "pool/stock"
-        self.timeout = timeout
-        ctx = multiprocessing.get_context("spawn")
-        env = worker_env(workers)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # spawned workers start with the parent's environment
-        try:
-            self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(env, warm))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    def broadcast(self, params):
-        return params  # pickled again into every task: multiprocessing has no broadcast
+    name: str
+    timeout: float
+    _pool: Any
 
     def map(self, handle, tasks):
         res = self._pool.starmap_async(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
@@ -133,7 +119,22 @@ class StockPool(Backend):
         self._pool.join()
 
 
-class JaxtransportPool(Backend):
+class StockPool(_PoolBackend):
+    """``multiprocessing.Pool`` (spawn): arguments and results pickled through its pipes."""
+
+    def __init__(self, workers: int, warm: tuple | None, timeout: float):
+        self.name = "pool/stock"
+        self.timeout = timeout
+        ctx = multiprocessing.get_context("spawn")
+        env = worker_env(workers)
+        with environ_overlay(env):  # spawned workers start with the parent's environment
+            self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(env, warm))
+
+    def broadcast(self, params):
+        return params  # pickled again into every task: multiprocessing has no broadcast
+
+
+class JaxtransportPool(_PoolBackend):
     """``jaxtransport.Pool``: arrays through recycled shared memory, parameters ``share()``d."""
 
     def __init__(self, workers: int, warm: tuple | None, timeout: float):
@@ -148,23 +149,8 @@ class JaxtransportPool(Backend):
     def broadcast(self, params):
         return self._pool.share(params)
 
-    def map(self, handle, tasks):
-        res = self._pool.starmap_async(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
-        try:
-            return res.get(self.timeout)
-        except multiprocessing.TimeoutError:
-            raise _timeout_error(self.name, self.timeout) from None
-
     def release(self, handle):
         handle.release()
-
-    def close(self):
-        self._pool.close()
-        self._pool.join()
-
-    def terminate(self):
-        self._pool.terminate()
-        self._pool.join()
 
 
 class RolloutWorker:
