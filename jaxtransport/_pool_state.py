@@ -305,14 +305,16 @@ class _State:
             self._maybe_stop()
 
     def _route(self, w: _WorkerRec, chunk: _Chunk) -> None:
-        """Send a small chunk right away from this thread when nothing is queued for ``w`` on
-        the feeder and its pipe is free; everything else goes through the feeder (which may
-        block on a full pipe without stopping result reading)."""
+        """Send a small message right away from this thread when nothing is queued for ``w`` on
+        the feeder, its pipe is free and it already maps every segment the chunk names (the
+        steady state: the arrays went through shared memory, the message is small whatever
+        their size); everything else goes through the feeder (which may block on a full pipe,
+        or pass new segments, without stopping result reading)."""
         enc = chunk.enc
-        if not enc.segs and not enc.trees and len(enc.data) < _DIRECT_SEND_MAX and not w.queued:
+        if not enc.trees and len(enc.data) < _DIRECT_SEND_MAX and not w.queued:
             if w.send_lock.acquire(blocking=False):
                 try:
-                    if not w.queued:
+                    if not w.queued and enc.segs.issubset(w.sent_segs):
                         try:
                             rel = w.mapper.take_releases(64)  # keeps the message small
                             self._send(w, ("T", chunk.chunk_id, enc.data, enc.entries, rel))
