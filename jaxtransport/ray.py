@@ -86,7 +86,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a fresh interpreter
 import jax
 import jax.errors
 
-from . import _codec
+from . import _codec, _pool_env
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
 from ._tracers import find_tracer, tracer_error, tracer_types
@@ -352,7 +352,8 @@ def _chain(user_hook: Callable[[], Any]) -> Callable[[], Any]:
     return jaxtransport_setup_hook
 
 
-def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None = None) -> dict:
+def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None = None,
+                huge_pages: bool = True) -> dict:
     """A Ray runtime_env (a new dict) whose ``worker_process_setup_hook`` registers jaxtransport
     in every worker process of the job, merged with ``base``.
 
@@ -368,6 +369,11 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
       ``--xla_force_host_platform_device_count=8``) in ``env_vars``.
     - When this process has 64-bit types enabled, workers get ``JAX_ENABLE_X64=1`` unless
       ``base`` sets it, so float64/int64/complex128 arrays arrive bit-exact.
+    - ``huge_pages`` (default True) adds ``glibc.malloc.hugetlb=1`` to the workers'
+      ``GLIBC_TUNABLES`` (after ``base``'s value, else this process's), so that JAX's large
+      host buffers get transparent huge pages as numpy's do and results are copied into the
+      object store as fast as numpy arrays (Note [huge pages for JAX buffers] in
+      ``jaxtransport._pool_env``). ``huge_pages=False`` leaves malloc alone.
 
     Use it as the job's runtime_env (``ray.init(runtime_env=...)`` or a job submission);
     jaxtransport must be importable in the workers (installed there, or shipped with
@@ -403,15 +409,19 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
 
     if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
         env_vars["JAX_ENABLE_X64"] = "1"
+    if huge_pages:
+        env_vars["GLIBC_TUNABLES"] = _pool_env.malloc_huge_pages(
+            env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
     env["env_vars"] = env_vars
     return env
 
 
-def init(*, placement: str = "device", **ray_init_kwargs: Any) -> Any:
+def init(*, placement: str = "device", huge_pages: bool = True, **ray_init_kwargs: Any) -> Any:
     """``ray.init(**ray_init_kwargs)`` with :func:`runtime_env` merged into its ``runtime_env``,
     then :func:`register` on the driver. Returns what ``ray.init`` returns.
 
-    ``placement`` applies to the driver and to every worker of the job. If Ray is already
+    ``placement`` applies to the driver and to every worker of the job; ``huge_pages`` is
+    :func:`runtime_env`'s. If Ray is already
     initialized, ``ray.init`` raises as usual; with ``ignore_reinit_error=True`` the running
     job keeps its runtime_env, so unless it was started with jaxtransport's hook a
     RuntimeWarning says that worker results will use Ray's default serialization.
@@ -419,7 +429,7 @@ def init(*, placement: str = "device", **ray_init_kwargs: Any) -> Any:
     _codec.check_placement(placement)
     kwargs = dict(ray_init_kwargs)
     was_initialized = ray.is_initialized()
-    kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"), placement=placement)
+    kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"), placement=placement, huge_pages=huge_pages)
     context = ray.init(**kwargs)
     register(placement)
     if was_initialized and not _job_has_hook():

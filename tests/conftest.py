@@ -110,3 +110,33 @@ def run_python(code: str, *, env: dict | None = None, timeout: float = 120) -> s
         text=True,
         timeout=timeout,
     )
+
+
+def huge_pages_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping holding ``address`` in this process (None: not found)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and len(parts) >= 5:
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and parts and parts[0] == "AnonHugePages:":
+                return int(parts[1])
+    return None
+
+
+def malloc_huge_pages_work() -> str | None:
+    """Why glibc.malloc.hugetlb=1 cannot give huge pages here (None when it can)."""
+    import platform
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return "transparent huge pages are disabled on this kernel"
+    except OSError:
+        return "no transparent huge pages on this system"
+    lib, version = platform.libc_ver()
+    if lib != "glibc" or tuple(int(v) for v in version.split(".")[:2]) < (2, 35):
+        return f"glibc.malloc.hugetlb needs glibc >= 2.35 (this is {lib} {version})"
+    return None

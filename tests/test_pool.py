@@ -16,7 +16,7 @@ import jaxtransport as jt
 from jaxtransport import _pool_env
 from jaxtransport._errors import PoolStateError, TransportError
 
-from .conftest import run_python
+from .conftest import huge_pages_kib, malloc_huge_pages_work, run_python
 
 THRESH = 1 << 16  # small arrays still take the shared-memory path here
 
@@ -41,7 +41,8 @@ def worker_info(_=None):
     w = _pool_worker.CURRENT
     return {
         "pid": os.getpid(),
-        "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "JT_TEST_VAR")},
+        "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
+                                               "JT_TEST_VAR", "GLIBC_TUNABLES")},
         "segments_created": w.arena.segments_created,
     }
 
@@ -280,6 +281,7 @@ def test_fork_is_refused_and_arguments_validated():
 
 def test_worker_env_defaults_and_overrides(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     with jt.Pool(1, worker_env={"JT_TEST_VAR": "yes", "CUDA_VISIBLE_DEVICES": "7"}) as p:
         env = p.apply(worker_info)["env"]
     assert env == {
@@ -287,8 +289,41 @@ def test_worker_env_defaults_and_overrides(monkeypatch):
         "JAX_PLATFORMS": "cpu",
         "CUDA_VISIBLE_DEVICES": "7",
         "JT_TEST_VAR": "yes",
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1",  # the parent's kept
     }
     assert "JT_TEST_VAR" not in os.environ
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    with jt.Pool(1, worker_env={"GLIBC_TUNABLES": None}) as p:  # opting out
+        assert p.apply(worker_info)["env"]["GLIBC_TUNABLES"] is None
+
+
+def test_malloc_huge_pages_tunable():
+    assert _pool_env.malloc_huge_pages(None) == "glibc.malloc.hugetlb=1"
+    assert _pool_env.malloc_huge_pages("") == "glibc.malloc.hugetlb=1"
+    assert _pool_env.malloc_huge_pages("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    # a user's own hugetlb setting (0 = off, 2 = hugetlbfs pages) is kept, and it is idempotent
+    assert _pool_env.malloc_huge_pages("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"
+    once = _pool_env.malloc_huge_pages("a.b=1")
+    assert _pool_env.malloc_huge_pages(once) == once
+
+
+def _buffer_huge_kib(nbytes):
+    from .conftest import huge_pages_kib
+
+    x = jnp.ones(nbytes // 4, jnp.float32).block_until_ready()
+    return huge_pages_kib(x.unsafe_buffer_pointer())
+
+
+def test_worker_jax_buffers_get_huge_pages():
+    """What the tunable is for: a worker's large JAX buffers are backed by transparent huge pages
+    (like numpy's), so copying results out of them into shared memory takes fewer TLB misses."""
+    why = malloc_huge_pages_work()
+    if why:
+        pytest.skip(why)
+    with jt.Pool(1) as p:
+        assert p.apply(_buffer_huge_kib, (64 << 20,)) >= 32 << 10
+    with jt.Pool(1, worker_env={"GLIBC_TUNABLES": None}) as p:
+        assert p.apply(_buffer_huge_kib, (64 << 20,)) == 0
 
 
 def test_round_robin_gpu_assignment():

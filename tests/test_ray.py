@@ -24,7 +24,7 @@ import jaxtransport  # noqa: E402
 import jaxtransport.ray as jr  # noqa: E402
 from jaxtransport import _codec  # noqa: E402
 
-from .conftest import run_python, wait_until  # noqa: E402
+from .conftest import huge_pages_kib, malloc_huge_pages_work, run_python, wait_until  # noqa: E402
 from .test_codec import DTYPES, assert_same, bits, make  # noqa: E402
 
 MiB = 1 << 20
@@ -303,6 +303,33 @@ def test_runtime_env_chains_a_callable_hook(monkeypatch):
 def test_runtime_env_rejects_a_bad_hook():
     with pytest.raises(TypeError, match="worker_process_setup_hook must be a callable"):
         jr.runtime_env({"worker_process_setup_hook": 42})
+
+
+def test_runtime_env_gives_workers_malloc_huge_pages(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert jr.runtime_env()["env_vars"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    base = {"env_vars": {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}}
+    assert jr.runtime_env(base)["env_vars"]["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the driver's, when base has none
+    assert jr.runtime_env()["env_vars"]["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" not in jr.runtime_env(huge_pages=False)["env_vars"]
+    off = {"env_vars": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}}
+    assert jr.runtime_env(off)["env_vars"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+
+
+@ray.remote
+def _worker_buffer_huge_kib(nbytes):
+    x = jnp.ones(nbytes // 4, jnp.float32).block_until_ready()
+    return huge_pages_kib(x.unsafe_buffer_pointer())
+
+
+def test_ray_worker_jax_buffers_get_huge_pages(registered):
+    """The runtime_env's tunable reaches the worker at exec: its large JAX buffers are backed by
+    transparent huge pages, as numpy's are, so results copy into the object store as fast."""
+    why = malloc_huge_pages_work()
+    if why:
+        pytest.skip(why)
+    assert ray.get(_worker_buffer_huge_kib.remote(64 << 20)) >= 32 << 10
 
 
 def test_runtime_env_passes_x64_on():
