@@ -5,7 +5,9 @@ on the Pool and Ray backends, with the stock transport (``multiprocessing.Pool``
 default serialization) and jaxtransport, measured in the same run with the same seed, at several
 policy sizes (``--param-mb``). Per iteration it records the wall time and its split: compute
 (slowest worker, measured in the worker), learner update, transport (the rest). Figures are
-medians over the iterations after the warm-up. The "compute+learner limit" row is the env
+medians over the iterations after the warm-up, pooled over three alternating stock/jaxtransport
+pairs at the default size (a Ray run's learner step varies from run to run; the per-pair
+speedups are printed too). The "compute+learner limit" row is the env
 steps/s the loop would reach if moving the arrays cost nothing.
 
 Targets (issue 6), at the default sizes: jaxtransport >= 3x the env steps/s of stock on the Pool
@@ -42,26 +44,40 @@ def _backends() -> list[str]:
     return out
 
 
-def _median(result: demo.RunResult, field: str) -> float:
-    return statistics.median(getattr(it, field) for it in result.timed)
+def _median(results: list[demo.RunResult], field: str) -> float:
+    """Median of ``field`` over the timed iterations of every run in ``results``."""
+    return statistics.median(getattr(it, field) for r in results for it in r.timed)
 
 
 def run(quick: bool = False, backends: list[str] | None = None,
-        sizes: list[float] | None = None, iterations: int | None = None) -> list[dict]:
+        sizes: list[float] | None = None, iterations: int | None = None,
+        rounds: int | None = None) -> list[dict]:
+    """``rounds`` (default 3, quick 1) stock/jaxtransport pairs at the default policy size, one
+    at the others. The pairs alternate which transport runs first; each figure is the median
+    over the timed iterations of all of a transport's runs, and ``round_ratios`` lists each
+    pair's own speedup (median iteration vs median iteration), so run-to-run spread shows."""
     sizes = sizes or ([DEFAULT_MB] if quick else [8.0, DEFAULT_MB, 128.0])
     iterations = iterations or (8 if quick else 16)
+    rounds = rounds or (1 if quick else 3)
     rows: list[dict] = []
     for backend in backends or _backends():
         for mb in sizes:
             cfg = demo.Config(backend=backend, param_mb=mb, iterations=iterations, warmup=2)
-            results = {}
-            for transport in ("stock", "jaxtransport"):
-                print(f"# rollouts: {backend}/{transport}, {mb:g} MiB policy, "
-                      f"{iterations} iterations", flush=True)
-                results[transport] = demo.train(cfg, transport, out=io.StringIO(),
-                                                err=io.StringIO())
-            same = results["stock"].returns == results["jaxtransport"].returns
             steps = cfg.workers * cfg.envs * cfg.steps
+            results: dict[str, list[demo.RunResult]] = {"stock": [], "jaxtransport": []}
+            same = True
+            round_ratios = []
+            n = rounds if mb == DEFAULT_MB else 1
+            for k in range(n):
+                order = ("stock", "jaxtransport") if k % 2 == 0 else ("jaxtransport", "stock")
+                pair = {}
+                for transport in order:
+                    print(f"# rollouts: {backend}/{transport}, {mb:g} MiB policy, "
+                          f"{iterations} iterations (round {k + 1}/{n})", flush=True)
+                    pair[transport] = demo.train(cfg, transport, out=io.StringIO(), err=io.StringIO())
+                    results[transport].append(pair[transport])
+                same = same and pair["stock"].returns == pair["jaxtransport"].returns
+                round_ratios.append(_median([pair["stock"]], "wall_s") / _median([pair["jaxtransport"]], "wall_s"))
             rate = {t: steps / _median(r, "wall_s") for t, r in results.items()}
             for transport, r in results.items():
                 moved = _median(r, "bytes_moved")
@@ -78,13 +94,17 @@ def run(quick: bool = False, backends: list[str] | None = None,
                     "transport_s": transport_s,
                     "compute_s": _median(r, "compute_s"),
                     "learner_s": _median(r, "learner_s"),
-                    "final_return": statistics.mean(r.returns[-3:]),
+                    "final_return": statistics.mean(r[0].returns[-3:]),
                     "curves_identical": same,
+                    "runs": len(r),
+                    "round_ratios": " ".join(f"{x:.2f}" for x in round_ratios) if transport == "jaxtransport" else "",
                 })
                 print(f"  {transport:13s} {rate[transport]:10,.0f} env steps/s  "
                       f"transport {transport_s:.3f}s  compute {rows[-1]['compute_s']:.3f}s  "
                       f"learner {rows[-1]['learner_s']:.3f}s  "
-                      f"speedup {rows[-1]['ratio']:.2f}x", flush=True)
+                      f"speedup {rows[-1]['ratio']:.2f}x"
+                      + (f"  (per round: {rows[-1]['round_ratios']})" if rows[-1]["round_ratios"] else ""),
+                      flush=True)
             jt = results["jaxtransport"]
             free = _median(jt, "compute_s") + _median(jt, "learner_s")
             rows.append({
@@ -109,7 +129,8 @@ def check_targets(rows: list[dict]) -> list[str]:
         ok = r["ratio"] >= target
         out.append(
             f"{'PASS' if ok else 'MISS'} {backend}: jaxtransport {r['env_steps_per_s']:,.0f} "
-            f"env steps/s = {r['ratio']:.2f}x stock (target >= {target:g}x); learning curves "
+            f"env steps/s = {r['ratio']:.2f}x stock (target >= {target:g}x; {r['runs']} runs each, "
+            f"per-pair speedups {r['round_ratios']}); learning curves "
             f"identical: {'yes' if r['curves_identical'] else 'NO'}"
         )
     return out
