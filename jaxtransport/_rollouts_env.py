@@ -143,6 +143,12 @@ def scene_rows(frame_size: int) -> tuple[int, int]:
     return first, stop
 
 
+# Frames read per block by the learner's read_frame: the float32 copy of a block (~1.8 MiB at
+# 84x84) is reused from the heap, where one of a whole rollout (~50 MiB) would be fresh pages
+# on every update.
+_READ_BLOCK = 128
+
+
 def read_frame(frame: jax.Array, frame_size: int) -> jax.Array:
     """Read the cart position and pole angle back from frames (the policy's fixed encoder).
 
@@ -151,7 +157,25 @@ def read_frame(frame: jax.Array, frame_size: int) -> jax.Array:
     centroid of the pixels above it, relative to the cart's top centre, gives ``theta``. The
     estimates carry the (anti-aliased) pixel grid's quantization noise, as any pixel-based
     agent's do. Costs two multiply-adds per pixel of the rows the scene can occupy.
+
+    More than ``_READ_BLOCK`` frames (the learner reads a whole rollout) are read a block at a
+    time (``lax.map``): a single pass would materialize a float32 copy of every frame, tens of
+    MB of temporary memory that XLA maps afresh, and pays first-touch page faults for, on every
+    learner step.
     """
+    lead = frame.shape[:-2]
+    n = math.prod(lead)
+    if n <= _READ_BLOCK:
+        return _read_frame_block(frame, frame_size)
+    flat = frame.reshape((n,) + frame.shape[-2:])
+    blocks = -(-n // _READ_BLOCK)
+    flat = jnp.pad(flat, ((0, blocks * _READ_BLOCK - n), (0, 0), (0, 0)))
+    out = jax.lax.map(lambda b: _read_frame_block(b, frame_size),
+                      flat.reshape((blocks, _READ_BLOCK) + frame.shape[-2:]))
+    return out.reshape((blocks * _READ_BLOCK, 2))[:n].reshape(lead + (2,))
+
+
+def _read_frame_block(frame: jax.Array, frame_size: int) -> jax.Array:
     track_row, cart_half_h, _, _, px_per_m = _geometry(frame_size)
     top = track_row - cart_half_h
     first, stop = scene_rows(frame_size)  # only the rows the renderer can draw on are read

@@ -155,6 +155,9 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             results = be.map(handle, tasks)
             be.release(handle)
             del handle
+            # Stock unpickling may finish copying into JAX's buffers asynchronously: count
+            # that as transport, not as the learner's time.
+            jax.block_until_ready(results)
             gathered = time.perf_counter()
             trajs = [r[0] for r in results]
             carries = [r[1] for r in results]
