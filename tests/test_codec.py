@@ -192,6 +192,44 @@ def test_loads_aliases_aligned_buffer_on_cpu():
     del y, h
 
 
+def test_decode_takes_the_short_device_put_path(monkeypatch):
+    """decode places host buffers through batched_device_put directly (no jax.device_put
+    layers); the result is what jax.device_put would give: uncommitted, default device, same
+    weak type, aliasing; and the plain jax.device_put path gives the same values."""
+    from jaxtransport import _codec
+
+    x = jnp.arange(1 << 12, dtype=jnp.float32)
+    data, buffers = jt.dumps(x)
+    y = jt.loads(data, buffers)
+    assert callable(_codec._FAST_PUT), "the fast path is unavailable in this jax: decode is slower"
+    ref = jax.device_put(np.asarray(x))
+    assert (y.sharding, y.committed, y.weak_type, y.dtype) == (ref.sharding, ref.committed, ref.weak_type, ref.dtype)
+    monkeypatch.setattr(_codec, "_FAST_PUT", False)
+    z = jt.loads(data, buffers)
+    assert bits(z) == bits(y) == bits(x)
+
+
+def test_decode_honours_the_default_device():
+    code = """
+import jax, jax.numpy as jnp, numpy as np, jaxtransport as jt
+from jaxtransport import _codec
+x = jnp.arange(4096, dtype=jnp.float32)
+data, buffers = jt.dumps(x)
+store = np.empty(x.nbytes + 64, np.uint8); off = (-store.ctypes.data) % 64
+view = store[off:off + x.nbytes]; view[:] = np.frombuffer(buffers[0], np.uint8)
+with jax.default_device(jax.devices()[1]):
+    y = jt.loads(data, [memoryview(view)])
+    ref = jax.device_put(np.asarray(x))
+assert callable(_codec._FAST_PUT)
+assert y.devices() == ref.devices() == {jax.devices()[1]}, (y.devices(), ref.devices())
+assert not y.committed and y.unsafe_buffer_pointer() == view.ctypes.data
+assert jt.loads(data, buffers).devices() == {jax.devices()[0]}
+print("ok")
+"""
+    proc = run_python(code, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
 def test_loaded_array_outlives_source_and_its_deletion():
     x = jnp.arange(1024, dtype=jnp.int32) * 3
     expected = bits(x)
