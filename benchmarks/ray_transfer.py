@@ -152,7 +152,7 @@ def run(
                            consume_r, produce_r)
             # jaxtransport and numpy alternate call by call (ABBA...): drift and noise from
             # other processes hit both alike, and neither churns memory for the other.
-            n_fast = reps or (9 if size >= GIB else 15 if size >= 64 * MIB else 21)
+            n_fast = reps or (15 if size >= GIB else 31 if size >= 64 * MIB else 21)
             for transport in ("jaxtransport", "numpy"):  # untimed warm-ups
                 x = x_np if transport == "numpy" else x_jax
                 _time_pair(ray, jax, jr, {}, transport, x, size, consume_r, produce_r)
