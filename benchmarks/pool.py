@@ -199,6 +199,9 @@ def bench_transfers(sizes, baselines_up_to, rows):
 
 
 def bench_steady(sizes, rows, loops=15):
+    """Each round trip is timed right after a warm memcpy of the same bytes (the pair
+    alternates with gc in between): ``vs_memcpy`` is the median of the per-pair ratios, so a
+    noisy moment hits both sides of a pair alike."""
     import jax
     import jax.numpy as jnp
 
@@ -207,7 +210,9 @@ def bench_steady(sizes, rows, loops=15):
     with jt.Pool(1) as pool:
         for nbytes in sizes:
             x = jnp.arange(nbytes // 4, dtype=jnp.float32)
-            mem = memcpy_seconds(nbytes)
+            src = np.ones(nbytes, np.uint8)
+            dst = np.zeros(nbytes, np.uint8)
+            np.copyto(dst, src)
             for _ in range(2):
                 pool.apply(shape_of, (x,))
                 jax.block_until_ready(pool.apply(cached_array, (nbytes,)))
@@ -215,13 +220,21 @@ def bench_steady(sizes, rows, loops=15):
                 ("steady_argument", lambda: pool.apply(shape_of, (x,))),
                 ("steady_result", lambda: jax.block_until_ready(pool.apply(cached_array, (nbytes,)))),
             ):
-                ts = _timed(fn, loops, warmup=2)
-                rows.append(_row(direction, nbytes, "jaxtransport.Pool", ts, memcpy=mem))
+                fn()
+                fn()
+                ts, mems = [], []
+                for _ in range(loops):
+                    mems.extend(_timed(lambda: np.copyto(dst, src), 1, warmup=0))
+                    ts.extend(_timed(fn, 1, warmup=0))
+                row = _row(direction, nbytes, "jaxtransport.Pool", ts, memcpy=_median(mems))
+                row["vs_memcpy"] = _median([t / m for t, m in zip(ts, mems)])
+                rows.append(row)
                 _print_row(rows[-1])
-            del x
+            del x, src, dst
 
 
 def bench_tiny(rows, n=10_000):
+    """multiprocessing.Pool and jaxtransport.Pool alternate repetition by repetition."""
     import jaxtransport as jt
 
     ctx = multiprocessing.get_context("spawn")
@@ -234,9 +247,14 @@ def bench_tiny(rows, n=10_000):
             ("tiny_apply", lambda: [r.get() for r in [jpool.apply_async(noop, (i,)) for i in range(n)]],
              lambda: [r.get() for r in [mpool.apply_async(noop, (i,)) for i in range(n)]]),
         ):
-            reps = 5 if name == "tiny_map" else 3
-            mts = _timed(mfn, reps)
-            jts = _timed(jfn, reps)
+            reps = 7 if name == "tiny_map" else 5
+            mfn()
+            jfn()
+            mts, jts = [], []
+            for k in range(reps):
+                pair = ((mts, mfn), (jts, jfn)) if k % 2 == 0 else ((jts, jfn), (mts, mfn))
+                for out, fn in pair:
+                    out.extend(_timed(fn, 1, warmup=0))
             rows.append(_row(name, 0, "multiprocessing.Pool", mts, tasks=n))
             _print_row(rows[-1])
             rows.append(_row(name, 0, "jaxtransport.Pool", jts, base=_median(mts), tasks=n))
