@@ -365,6 +365,7 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
 
 
 _FAST_PUT: Any = None  # None: not tried yet; False: unavailable in this jax; else the function
+_FLOAT0 = np.dtype(jax.dtypes.float0)  # jax.device_put turns these into bools: left to it
 
 
 def _make_fast_put():
@@ -410,9 +411,6 @@ def _device_put(x: np.ndarray) -> Any:
         except Exception:  # pragma: no cover - jax's own path raises what it raises
             pass
     return jax.device_put(x)
-
-
-_FLOAT0 = np.dtype(jax.dtypes.float0)
 
 
 def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:

@@ -488,6 +488,16 @@ class _State:
         elif kind == "Q":
             w.retiring = True
 
+    def _take_in_flight(self) -> list:
+        """Every chunk not yet finished (queued, or sent to a worker), removed from the pool's
+        books. Called with self.lock held."""
+        victims = list(self.pending)
+        self.pending.clear()
+        for w in self.workers:
+            victims.extend(w.outstanding)
+            w.outstanding.clear()
+        return victims
+
     def _break(self, err: BaseException, cause: BaseException | None = None) -> None:
         if cause is not None:
             err.__cause__ = cause
@@ -495,11 +505,7 @@ class _State:
             if self.broken is not None:
                 return
             self.broken = err
-            victims = list(self.pending)
-            self.pending.clear()
-            for w in self.workers:
-                victims.extend(w.outstanding)
-                w.outstanding.clear()
+            victims = self._take_in_flight()
         for chunk in victims:
             self._fail_chunk(chunk, err)
         self._kill_workers()
@@ -748,11 +754,7 @@ class _State:
                 return
             self.terminated = True
             self.closed = True
-            victims = list(self.pending)
-            self.pending.clear()
-            for w in self.workers:
-                victims.extend(w.outstanding)
-                w.outstanding.clear()
+            victims = self._take_in_flight()
         self._kill_workers()
         self._wake()
         err = PoolTerminatedError(
