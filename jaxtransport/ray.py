@@ -86,7 +86,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a fresh interpreter
 import jax
 import jax.errors
 
-from . import _codec, _pool_env
+from . import _codec, _procenv
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
 from ._tracers import find_tracer, tracer_error, tracer_types
@@ -373,7 +373,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
       ``GLIBC_TUNABLES`` (after ``base``'s value, else this process's), so that JAX's large
       host buffers get transparent huge pages as numpy's do and results are copied into the
       object store as fast as numpy arrays (Note [huge pages for JAX buffers] in
-      ``jaxtransport._pool_env``). ``huge_pages=False`` leaves malloc alone.
+      ``jaxtransport._procenv``). ``huge_pages=False`` leaves malloc alone.
 
     Use it as the job's runtime_env (``ray.init(runtime_env=...)`` or a job submission);
     jaxtransport must be importable in the workers (installed there, or shipped with
@@ -410,7 +410,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
     if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
         env_vars["JAX_ENABLE_X64"] = "1"
     if huge_pages:
-        env_vars["GLIBC_TUNABLES"] = _pool_env.malloc_huge_pages(
+        env_vars["GLIBC_TUNABLES"] = _procenv.malloc_huge_pages(
             env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
     env["env_vars"] = env_vars
     return env

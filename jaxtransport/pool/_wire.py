@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _codec, _pickling
-from ._errors import ShmHandleError, TracerTransportError
-from ._shm import ALIGN, Arena, Mapper
+from .. import _codec, _pickling
+from .._errors import ShmHandleError, TracerTransportError
+from .._shm import ALIGN, Arena, Mapper
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
 
@@ -152,7 +152,7 @@ def _fast_table(tree_type: type | None) -> dict:
 
     key = (len(copyreg.dispatch_table), tree_type)
     if key != _TABLE_KEY:
-        from ._tracers import tracer_types
+        from .._tracers import tracer_types
 
         table = dict(copyreg.dispatch_table)
         for t in tracer_types():
