@@ -166,8 +166,9 @@ def with_weak_type(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # Host ndarray -> the default device, uncommitted (what ``jax.device_put(ndarray)`` does).
 #
-# Fast path. Probe: ``jax._src.interpreters.pxla.batched_device_put`` and the default-device
-# getter (``pxla.get_default_device``, jax >= 0.4.31; ``pxla._get_default_device`` in 0.4.30),
+# Fast path. Probe: ``jax._src.interpreters.pxla.batched_device_put``, the default-device
+# getter (``pxla.get_default_device``; ``pxla._get_default_device`` in 0.4.30) and
+# ``shaped_abstractify`` (``jax._src.core``; ``jax._src.api_util`` in 0.4.30),
 # then one call on a probe array whose result must equal ``jax.device_put``'s (sharding, dtype,
 # weak type, committed-ness, value), weak and not. Upstream: jax/_src/dispatch.py
 # ``_device_put_sharding_impl``, which ends in ``batched_device_put`` for a host array. It skips
@@ -186,7 +187,9 @@ def _make_fast_put() -> Callable[[np.ndarray, bool], Any]:
 
     get_device = getattr(pxla, "get_default_device", None) or getattr(pxla, "_get_default_device")
     batched_device_put = pxla.batched_device_put
-    shaped_abstractify = core.shaped_abstractify
+    shaped_abstractify = getattr(core, "shaped_abstractify", None)
+    if shaped_abstractify is None:  # jax 0.4.30: jax/_src/api_util.py
+        from jax._src.api_util import shaped_abstractify
     shardings: dict = {}
 
     def put(x: np.ndarray, weak_type: bool):

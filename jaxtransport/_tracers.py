@@ -47,6 +47,7 @@ _TRACE_NAMES = {
     "LinearizeTrace": "grad/linearize",
     "JaxprTrace": "partial evaluation (grad, linearize or remat)",
     "ShardMapTrace": "shard_map",
+    "RewriteTrace": "shard_map",  # shard_map's replication checker (jax < 0.5)
     "RematTrace": "remat/checkpoint",
     "CheckifyTrace": "checkify",
 }
