@@ -49,7 +49,7 @@ DTYPES = [
     "float8_e8m0fnu",
     "float4_e2m1fn",
 ]
-ALL_DTYPES = [d for d in DTYPES if hasattr(ml_dtypes, d) or hasattr(np, d)]
+ALL_DTYPES = [d for d in DTYPES if d == "bool" or hasattr(ml_dtypes, d) or hasattr(np, d)]
 # Those this JAX has (older ones lack int2, float8_e8m0fnu, ...): tests parametrized with
 # dtype_params(ALL_DTYPES) skip the others with the reason.
 DTYPES = [d for d in ALL_DTYPES if dtype_missing(d) is None]
@@ -156,6 +156,57 @@ def test_prng_keys(impl, shape):
         k2 = jt.loads(*jt.dumps(k), placement=placement)
         assert_same(k, k2, placement=placement)
         assert jnp.array_equal(jax.random.normal(k.reshape(-1)[0], (3,)), jax.random.normal(k2.reshape(-1)[0], (3,)))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_prng_impl_travels_by_canonical_name(impl):
+    """The wire carries the name wrap_key_data accepts on every jax (before jax 0.4.36,
+    str(key_impl) is a short tag such as 'fry'); tags from older senders still decode."""
+    k = jax.random.key(7, impl=impl)
+    meta, buffers = _codec.encode(k)
+    assert meta.prng_impl == impl
+    legacy = {"threefry2x32": "fry", "rbg": "rbg", "unsafe_rbg": "urbg"}[impl]
+    k2 = _codec.decode(tuple(meta._replace(prng_impl=legacy)), buffers)
+    assert_same(k, k2)
+
+
+def test_unknown_prng_impl_is_a_transport_error():
+    meta, buffers = _codec.encode(jax.random.key(0))
+    with pytest.raises(jt.TransportError, match=r"'no_such_prng'.*jax " + jax.__version__.replace(".", r"\.")):
+        _codec.decode(tuple(meta._replace(prng_impl="no_such_prng")), buffers)
+
+
+def test_weak_type_without_a_way_to_build_it_is_a_transport_error(monkeypatch):
+    """When this jax's internals leave no way to rebuild a weak-typed array, decoding says so
+    (TransportError naming the jax version), not a bare AttributeError from inside JAX."""
+
+    def moved(x):
+        raise AttributeError("property '' of 'ArrayImpl' object has no setter")
+
+    monkeypatch.setattr(_compat, "_rewrap_weak", moved)
+    monkeypatch.setattr(_compat, "_weak_ok", None)
+    w = jnp.full((4,), 1.5)
+    assert w.weak_type
+    data, buffers = jt.dumps(w)
+    with pytest.raises(jt.TransportError, match=r"weak-typed.*jax " + jax.__version__.replace(".", r"\.")):
+        jt.loads(data, buffers, placement="preserve")
+    np.testing.assert_array_equal(jt.loads(data, buffers, placement="host"), np.full(4, 1.5, np.float32))
+
+
+def test_no_private_jax_api_outside_compat():
+    """Every private JAX API use sits in jaxtransport/_compat.py (probe, fallback, reference)."""
+    import pathlib
+    import re
+
+    pkg = pathlib.Path(jt.__file__).parent
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"jax\._src|jaxlib\.|\.aval\s*=[^=]|\b_committed\b", line):
+                offenders.append(f"{path.relative_to(pkg)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
 
 
 def test_legacy_uint32_keys_stay_plain_arrays():
