@@ -173,14 +173,9 @@ _REAP_DELAYS = (0.005, 0.05, 0.5, 2.0)
 
 
 def _collect_jax_garbage() -> None:
-    try:
-        from jax._src.lib import _jax
+    from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 
-        _jax.collect_garbage()
-    except Exception:  # pragma: no cover - another jaxlib layout: a gc pass does the same
-        import gc
-
-        gc.collect(0)
+    collect_jax_garbage()
 
 
 def _reap_forever() -> None:
