@@ -107,6 +107,12 @@ def register(placement: str = "device") -> None:
     array type, and a refusing reducer for every Tracer type defined now. ``placement`` is how
     this process materializes arrays it unpickles ("device", "host" or "preserve").
     Idempotent: calling it again only updates the placement. Undo with :func:`unregister`.
+
+    A Tracer then raises :class:`TracerTransportError` wherever it is pickled - which, for a
+    stock ``multiprocessing.Queue``, is its background feeder thread: ``q.put(tracer)`` returns
+    normally, the error is printed from that thread and the item is dropped (the consumer never
+    receives it). Call :func:`check_transportable` on the object before ``q.put`` to fail at the
+    call site, with the tracer's key path.
     """
     global _default_placement
     _codec.check_placement(placement)
