@@ -8,6 +8,7 @@ from ._codec import PLACEMENTS as PLACEMENTS
 from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
 from ._errors import ArrayDeletedError as ArrayDeletedError
 from ._errors import BrokenExecutorError as BrokenExecutorError
+from ._errors import CorruptTransferError as CorruptTransferError
 from ._errors import DtypeUnavailableError as DtypeUnavailableError
 from ._errors import PlacementError as PlacementError
 from ._errors import PoolStateError as PoolStateError
@@ -35,6 +36,7 @@ __all__ = [
     "PLACEMENTS",
     "ArrayDeletedError",
     "BrokenExecutorError",
+    "CorruptTransferError",
     "DtypeUnavailableError",
     "Executor",
     "PlacementError",

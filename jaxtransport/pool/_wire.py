@@ -387,7 +387,7 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
     try:
         return _codec.decode(meta, bufs, placement)
     except Exception as e:
-        if isinstance(e, _codec.UnsupportedArrayError) and "Corrupt transfer" in str(e):
+        if isinstance(e, _codec.CorruptTransferError):
             raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
         raise
 
