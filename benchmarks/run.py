@@ -40,6 +40,7 @@ BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
     ("usercode", "benchmarks.usercode"),
+    ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
 )
