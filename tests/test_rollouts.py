@@ -288,6 +288,7 @@ def test_cli_rejects_bad_flags():
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_cli_ray_end_to_end():
     """Both transports on a local Ray started by the demo (its own interpreter, so no Ray state
     is shared with other tests): the learning curve is the one the loop gives in-process, to
@@ -295,7 +296,7 @@ def test_cli_ray_end_to_end():
     once, before the demo initializes JAX, so nothing forks a process that runs JAX: JAX's
     fork warning never appears (it did twice when each run started its own Ray)."""
     pytest.importorskip("ray")
-    proc = _cli(*TINY, "--backend", "ray", "--compare", timeout=280)
+    proc = _cli(*TINY, "--backend", "ray", "--compare", timeout=560)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     assert "| ray/stock |" in out and "| ray/jaxtransport |" in out, out
