@@ -47,6 +47,7 @@ SCRATCH = os.path.join(RESULTS, "scratch")
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("usercode", "benchmarks.usercode"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
 )
@@ -434,7 +435,7 @@ def _parser() -> argparse.ArgumentParser:
     names = [n for n, _ in BENCHMARKS]
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Run jaxtransport's benchmarks (codec, pool, ray, rollouts) and write, for "
+        description=f"Run jaxtransport's benchmarks ({', '.join(names)}) and write, for "
         "each, NAME.md (tables with the environment and PASS/MISS lines), NAME.png (plots) and "
         "NAME.json (raw rows). Every ratio is against a baseline measured in the same run.",
         epilog=f"Default output folder: {_rel(SCRATCH)} (git-ignored); --publish "
