@@ -114,6 +114,7 @@ class _PoolBackend(Backend):
 
     name: str
     timeout: float
+    workers: int
     _pool: Any
 
     def map(self, handle, tasks):
@@ -122,8 +123,6 @@ class _PoolBackend(Backend):
             return res.get(self.timeout)
         except multiprocessing.TimeoutError:
             raise _timeout_error(self.name, self.timeout) from None
-
-    workers: int
 
     def wait_ready(self):
         # A worker takes tasks only after its initializer (start-up and compilation) has run:
