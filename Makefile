@@ -1,7 +1,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+# One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
+# pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
+# Ray and the test and plotting tools (the whole suite runs); `make bench` adds Ray and
+# matplotlib. `make venv` installs everything (development).
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+BENCH_STAMP := $(VENV)/.installed-bench
+# `make bench BENCH_ARGS="--quick"`; `--publish` rewrites benchmarks/results/ (default: the
+# git-ignored benchmarks/results/scratch/).
+BENCH_ARGS ?=
 
 # The two ends of the supported range (README "Tested range"), each in its own virtualenv:
 # the newest releases on the newest Python, the declared floor on the oldest Python.
@@ -17,11 +27,21 @@ RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py test
 
 .PHONY: venv demo test bench clean test-newest test-floor venv-newest venv-floor
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[ray,test,bench]'
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) -e '.[ray,test,bench]'
 	touch $(STAMP)
+
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PIP) -e .
+	touch $(DEMO_STAMP)
+
+$(BENCH_STAMP): pyproject.toml | $(PY)
+	$(PIP) -e '.[ray,bench]'
+	touch $(BENCH_STAMP)
 
 venv: $(STAMP)
 
@@ -42,7 +62,7 @@ $(eval $(call range_venv,$(FLOOR_VENV),$(FLOOR_PYTHON),.ci/floor.txt,FLOOR_PYTHO
 venv-newest: $(NEWEST_VENV)/.installed
 venv-floor: $(FLOOR_VENV)/.installed
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m jaxtransport.rollouts --compare
 
 test: $(STAMP)
@@ -54,8 +74,8 @@ test-newest: $(NEWEST_VENV)/.installed
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
 
-bench: $(STAMP)
-	$(PY) -m benchmarks
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) $(FLOOR_VENV) build *.egg-info
