@@ -133,11 +133,13 @@ def _fmt(n: int) -> str:
 # (1 GiB, medians of noisy runs): fallocate + MAP_POPULATE + copy 1.4-1.9 s; POPULATE_WRITE +
 # copy 1.1-1.8 s; no population, the copy faulting the pages 1.4-1.6 s (and without fallocate
 # that would be a SIGBUS on a full system); population or copy split across two threads 1.2-4.3 s
-# (page faults on one file contend). Either way every fresh 4 KiB page costs one fault (shmem
-# gets no transparent huge pages unless /sys/kernel/mm/transparent_hugepage/shmem_enabled allows
-# them), so the arena avoids fresh pages: slots are recycled, a smaller array may take a free
-# slot of up to twice its size class, a larger one grows a wholly free segment in place (only
-# the new tail is fresh), and Pool(shm_reserve=...) makes segments while the workers start.
+# (page faults on one file contend), and so was populating 8 MiB ahead of a copy in a helper
+# thread. Every fresh 4 KiB page costs one fault (shmem gets transparent huge pages only where
+# /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them: segments ask with
+# MADV_HUGEPAGE, which the common "never" ignores), so the arena avoids fresh pages: slots are
+# recycled, a smaller array may take a free slot of up to twice its size class, a larger one
+# grows a wholly free segment in place (only the new tail is fresh), and Pool(shm_reserve=...)
+# makes segments in background threads while the workers start.
 # Receivers map segments without populating: their page-table entries fill on first access
 # (read faults map 16 pages at a time) and the pages already exist, so that cannot SIGBUS.
 
@@ -179,6 +181,17 @@ def _capacity_failure(size: int, why: str) -> ShmCapacityError:
 _NO_MEMORY = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EFAULT)
 
 
+def _ask_huge_pages(mm: mmap.mmap) -> None:
+    """Ask for 2 MiB pages (one fault instead of 512) where the administrator lets shared memory
+    have them (``shmem_enabled`` "advise"/"within_size"); a no-op under the common "never"."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and len(mm) >= 2 * SLAB:
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+
+
 def populate(mm: mmap.mmap, start: int, length: int) -> None:
     """Allocate and map the pages of ``mm[start:start + length]`` (MADV_POPULATE_WRITE): a page
     the system cannot provide is a ShmCapacityError here, where a plain write would SIGBUS."""
@@ -199,6 +212,7 @@ def _map_and_populate(fd: int, size: int, start: int = 0) -> mmap.mmap:
     if populate_method() == "madvise":
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         try:
+            _ask_huge_pages(mm)
             populate(mm, start, size - start)
         except BaseException:
             mm.close()
