@@ -253,3 +253,22 @@ def test_import_jaxtransport_imports_no_jax():
         "print('ok', sorted(set(jt.__all__) - set(dir(jt))))\n"
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok []", proc.stderr
+
+
+def _sum_and_echo(x):
+    return int(x[:: 4096].astype(np.int64).sum()), np.full(x.nbytes, 9, np.uint8)
+
+
+def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
+    """Arguments and results of rising then falling sizes: segments are grown in place (the
+    workers forget the old ids and map the new ones) and larger free slots are reused."""
+    with jt.Pool(1) as p:
+        for mib in (3, 5, 9, 17, 12, 7, 17):
+            x = np.full(mib * MIB, mib, np.uint8)
+            total, back = p.apply(_sum_and_echo, (x,))
+            assert total == mib * len(range(0, x.nbytes, 4096))
+            assert back.nbytes == x.nbytes and int(back[:: 4096].sum()) == 9 * len(range(0, x.nbytes, 4096))
+            del back
+        arena = p._state.arena
+        assert arena.segments_grown >= 2
+        assert arena.segments_created <= 2
