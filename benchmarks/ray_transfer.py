@@ -14,10 +14,12 @@ fully deserialized before the task body runs). Result: ``ray.get(produce.remote(
 the worker returns an array it made earlier (cached, so creation is not timed). Both times run
 from the ``.remote()`` call to the driver holding the answer, so they include serializing,
 the object-store copy, deserializing and Ray's task overhead; the figures are medians of
-several repetitions, with the spread ((max - min) / median). Per size: a correctness pass
-(checksums both ways), then Ray's default in its own block (it allocates and frees several
-times the array's size per call, which would slow the next call), then jaxtransport and numpy
-alternating call by call, so drift and other processes' noise hit both alike.
+several repetitions, with the spread ((max - min) / median) and the min and max seconds (the
+first call of each path is an untimed warm-up; benchmarks.first_call times first calls). Per
+size: a correctness pass (checksums both ways), then Ray's default in its own block (it
+allocates and frees several times the array's size per call, which would slow the next call),
+then jaxtransport and numpy alternating call by call, so drift and other processes' noise hit
+both alike.
 
     python -m benchmarks.ray_transfer [--quick] [--reps N] [--min-mib M] [--max-mib M]
 
@@ -189,6 +191,8 @@ def run(
                         if transport != "ray-default"
                         else None,
                         "spread": spread,
+                        "min": min(times[(name, transport)]),
+                        "max": max(times[(name, transport)]),
                         "reps": len(times[(name, transport)]),
                     }
                     rows.append(row)

@@ -47,6 +47,7 @@ SCRATCH = os.path.join(RESULTS, "scratch")
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("first_call", "benchmarks.first_call"),
     ("usercode", "benchmarks.usercode"),
     ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
