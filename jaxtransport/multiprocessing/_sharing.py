@@ -116,7 +116,10 @@ class Producer:
         self.adapter = _HeaderArena(self)
 
     def alloc(self, nbytes: int, wait):
-        self.reap(64)
+        # Releases are written into the slot headers; look at all of them while few are
+        # outstanding (cheap), else at the oldest ones, so a free slot is found before a new
+        # segment (fresh pages) is made.
+        self.reap(None if len(self.outstanding) <= 256 else 64)
         handle, view = self.arena.alloc(nbytes + HEADER, "q", wait)
         with self.lock:
             serial = next(self.serials)
@@ -267,6 +270,8 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
     from ..pool import _wire
 
     p = producer()
+    if _consumer is not None and _consumer.pid == p.pid:
+        _consumer.apply_releases()  # what this process received and dropped, before allocating
     try:
         enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout))
     except ShmCapacityError as e:
@@ -359,9 +364,11 @@ class _Consumer:
         return m
 
     def apply_releases(self) -> None:
+        """Write the releases of dropped arrays into their slot headers (cheap when none)."""
         for m in list(self.mappers.values()):
-            for tok in m.take_releases():
-                _write_release(m, tok)
+            if m.live or m.pending:
+                for tok in m.take_releases():
+                    _write_release(m, tok)
 
     def ensure_thread(self) -> None:
         if self.thread is None or not self.thread.is_alive():
@@ -483,6 +490,7 @@ def decode(packet: bytes, fds: list[int], placement: str) -> Any:
 
     c = consumer()
     with c.lock:
+        c.apply_releases()
         m = c.mapper(key)
         for i, (s, fd) in enumerate(zip(segs, fds)):
             try:
