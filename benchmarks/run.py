@@ -41,6 +41,7 @@ BENCHMARKS = (
     ("pool", "benchmarks.pool"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
+    ("queue", "benchmarks.queue"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")

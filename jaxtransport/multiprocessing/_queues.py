@@ -125,6 +125,7 @@ class Queue:
     def _reset(self):
         self._notempty = threading.Condition(threading.Lock())
         self._buffer: collections.deque = collections.deque()
+        self._busy = [False]  # the feeder is sending (outside the lock)
         self._thread: threading.Thread | None = None
         self._jointhread = None
         self._joincancelled = False
@@ -151,10 +152,25 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         out = self._encode(obj, block, timeout)
         with self._notempty:
-            if self._thread is None:
-                self._start_thread()
-            self._buffer.append(out)
-            self._notempty.notify()
+            self._enqueue(out)
+
+    def _enqueue(self, out) -> None:
+        # Called with self._notempty held. When nothing is buffered or being sent, write the
+        # packet from this thread if the socket takes it at once (no feeder hop, so no
+        # thread switch on the way); order is kept because the feeder is idle.
+        if not self._buffer and not self._busy[0]:
+            try:
+                _sharing.send_packet(self._writer, out, nowait=True)
+                return
+            except BlockingIOError:
+                pass
+            except OSError:
+                out.discard()
+                return
+        if self._thread is None:
+            self._start_thread()
+        self._buffer.append(out)
+        self._notempty.notify()
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj, False)
@@ -213,7 +229,8 @@ class Queue:
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(
-            target=Queue._feed, args=(self._buffer, self._notempty, self._writer), name="jaxtransport-queue-feeder",
+            target=Queue._feed, args=(self._buffer, self._notempty, self._writer, self._busy),
+            name="jaxtransport-queue-feeder",
             daemon=True)
         self._thread.start()
         if not self._joincancelled:
@@ -234,20 +251,25 @@ class Queue:
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer, notempty, writer) -> None:
+    def _feed(buffer, notempty, writer, busy) -> None:
+        out = None
         while True:
             with notempty:
+                busy[0] = False
+                del out
                 while not buffer:
                     notempty.wait()
                 out = buffer.popleft()
+                busy[0] = True
             if out is _SENTINEL:
+                with notempty:
+                    busy[0] = False
                 writer.close()
                 return
             try:
                 _sharing.send_packet(writer, out)
             except OSError:
                 out.discard()  # the queue's socket is gone: nobody can take it
-            del out
 
     def __repr__(self) -> str:
         return f"<jaxtransport.multiprocessing.Queue at {id(self):#x} maxsize={self._maxsize}>"
@@ -280,11 +302,8 @@ class JoinableQueue(Queue):
             raise ValueError(f"Queue {self!r} is closed")
         out = self._encode(obj, block, timeout)
         with self._notempty, self._cond:
-            if self._thread is None:
-                self._start_thread()
-            self._buffer.append(out)
             self._unfinished_tasks.release()
-            self._notempty.notify()
+            self._enqueue(out)
 
     def task_done(self) -> None:
         with self._cond:

@@ -321,9 +321,13 @@ def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
     )
 
 
-def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None) -> None:
-    """Send one message (blocking while the socket buffer is full; ``timeout`` bounds that)."""
+def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None, nowait: bool = False) -> None:
+    """Send one message (blocking while the socket buffer is full; ``timeout`` bounds that;
+    ``nowait``: BlockingIOError instead of waiting)."""
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out.fds))] if out.fds else []
+    if nowait:
+        sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+        return
     if timeout is None:
         sock.sendmsg([out.packet], anc)
         return
