@@ -611,3 +611,25 @@ def test_a_hundred_thousand_arrays_never_exhaust_fds(no_fd_leak):
     finally:
         stop(p)
         q.close(), out.close()
+
+
+def test_receivers_unmap_segments_the_sender_dropped(no_fd_leak):
+    """At its capacity a sender drops wholly free segments of other sizes; receivers must not
+    keep that memory alive."""
+    def mapped_segments() -> int:
+        with open("/proc/self/maps") as f:
+            return len({line.split()[4] for line in f if "memfd:jaxtransport" in line})
+
+    q = jmp.Queue(shm_threshold=THRESH)
+    jmp.set_shm_capacity(24 << 20)
+    try:
+        base = mapped_segments()
+        for size_mib in (3, 5, 7, 9, 11, 13, 3, 5, 7, 9, 11, 13):  # a new size class each time
+            q.put(np.ones(size_mib << 20, np.uint8), timeout=10)
+            assert q.get(timeout=10).sum() == size_mib << 20
+        # this process sends and receives: its own segments plus its mappings of them, bounded
+        # by the capacity, not by the number of sizes ever sent
+        assert mapped_segments() - base <= 2 * 3
+    finally:
+        jmp.set_shm_capacity(None)
+        q.close()

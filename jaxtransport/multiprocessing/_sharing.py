@@ -6,7 +6,7 @@ refers to as SCM_RIGHTS ancillary data. One packet is atomic: any number of proc
 get on the same socket without locks, and a process killed at any moment leaves neither half a
 message nor a held lock behind. The packet is a small pickle::
 
-    (MAGIC, producer, data | None, entries, segs, blob)
+    (MAGIC, producer, data | None, entries, segs, blob, live)
 
 - ``producer``: ``(pid, token)`` of the sending process (its slots' owner).
 - ``data``, ``entries``: what ``pool._wire`` made of the object: the pickle and the arrays set
@@ -15,6 +15,9 @@ message nor a held lock behind. The packet is a small pickle::
 - ``segs``: the segment id of each fd in the packet, in order.
 - ``blob``: when the pickle itself is larger than a packet may be, it travels in a slot too
   (``data`` is then None), so that every message stays one packet.
+- ``live``: ``(epoch, ids)`` of the sender's segments (None when it has many): a receiver unmaps
+  the segments it mapped that the sender has since dropped (at its capacity the Arena drops
+  wholly free segments of other sizes), so receivers do not keep dropped memory alive.
 
 The fds of every segment a message names travel with it, so a message can be received after its
 sender died (in-flight fds keep the memory alive). The receiver keeps one mapping per segment
@@ -64,6 +67,7 @@ _HDR = struct.Struct("<QQQQ")
 MAX_PACKET = 32 << 10  # larger pickles travel in a slot (Note [queue messages])
 RECV_BUF = 64 << 10
 MAX_FDS = 250  # SCM_MAX_FD is 253
+_MAX_LIVE_LISTED = 64
 _CAPACITY_GRACE_S = 10.0  # how long a put waits without any release before giving up
 _RELEASE_POLL_S = 0.02
 
@@ -192,6 +196,14 @@ class Producer:
 
         return wait
 
+    def live_segments(self):
+        """``(epoch, segment ids)`` for receivers to unmap segments this process dropped (Note
+        [queue messages]); None when there are too many to list cheaply."""
+        segs = self.arena.segments()
+        if len(segs) > _MAX_LIVE_LISTED:
+            return None
+        return (self.arena.segments_created, tuple(s.seg_id for s in segs))
+
     def held(self) -> tuple[int, int, int]:
         """(slots not yet released, of which taken by a receiver, bytes)."""
         with self.lock:
@@ -299,7 +311,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             if seg is None or seg.fd is None:
                 raise ShmHandleError(f"segment {s} of this process's shared memory was closed while sending")
             fds.append(seg.fd)
-        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob), protocol=5)
+        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments()), protocol=5)
     except BaseException:
         for h in handles:
             p.drop(h)
@@ -358,6 +370,7 @@ class _Consumer:
         self.start = _proc_start(self.pid) or 0
         self.lock = threading.Lock()  # one thread decodes at a time (Mapper is not thread-safe)
         self.mappers: dict[tuple, _shm.Mapper] = {}
+        self.epochs: dict[tuple, int] = {}  # newest segment list seen per sender
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -479,7 +492,7 @@ def decode(packet: bytes, fds: list[int], placement: str) -> Any:
     closed, its slots released)."""
     try:
         rec = pickle.loads(packet)
-        magic, key, data, entries, segs, blob = rec
+        magic, key, data, entries, segs, blob, live = rec
         if magic != MAGIC:
             raise ValueError("bad magic")
         key = (int(key[0]), bytes(key[1]))
@@ -526,9 +539,26 @@ def decode(packet: bytes, fds: list[int], placement: str) -> Any:
                 if t is not None:
                     _write_release(m, t)
             raise
+        _forget_dropped(c, key, m, live)
     if m.live:
         c.ensure_thread()
     return obj
+
+
+def _forget_dropped(c: "_Consumer", key, m: _shm.Mapper, live) -> None:
+    """Unmap the sender's segments that it no longer has. Segment ids are never reused, and a
+    segment is dropped only when no message or array holds a slot in it; only the newest
+    list seen is applied (a list from an older epoch may lack segments made since)."""
+    try:
+        epoch, ids = int(live[0]), set(live[1])
+    except (TypeError, ValueError, IndexError):
+        return
+    if epoch < c.epochs.get(key, 0):
+        return
+    c.epochs[key] = epoch
+    gone = [s for s in m.segs if s not in ids]
+    if gone:
+        m.forget(gone)
 
 
 def _claim(m: _shm.Mapper, h, c: _Consumer):
