@@ -52,6 +52,7 @@ BENCHMARKS = (
     ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
+    ("queue", "benchmarks.queue"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")

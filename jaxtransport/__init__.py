@@ -82,6 +82,16 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # jaxtransport.multiprocessing imports on first use (it imports only; it registers nothing).
+    if name == "multiprocessing":
+        import importlib
+
+        return importlib.import_module(".multiprocessing", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "PLACEMENTS",
     "ArrayDeletedError",

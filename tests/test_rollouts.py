@@ -279,6 +279,33 @@ def test_progress_bar_only_when_every_stream_is_a_terminal(monkeypatch):
         assert sum(line.startswith("iter ") for line in out.getvalue().splitlines()) == 2
 
 
+@pytest.mark.parametrize("transport", ["jaxtransport", "stock"])
+def test_cli_queue_backend_streams_and_reports_lag(transport):
+    """--backend queue: long-lived actors stream trajectories through a queue (the same code on
+    jaxtransport.multiprocessing and on multiprocessing); each update reports its off-policy
+    lag, the table its run."""
+    proc = _cli(*TINY, "--backend", "queue", "--transport", transport)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert f"| queue/{transport} |" in out, out
+    lags = re.findall(r"lag (\d+\.\d)", out)
+    assert len(lags) == 2 and all(float(x) >= 0 for x in lags), out
+    assert len(_printed_returns(out)) == 2
+
+
+def test_queue_backend_reports_a_dead_actor_instead_of_hanging():
+    """An actor killed while the learner waits for trajectories: map() raises naming it."""
+    import signal
+
+    params = policy.init(jax.random.key(0), 0.25, 8)
+    rows = params["table"].shape[0]
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        with backends.make("queue", "jaxtransport", 1, warm=(rows, 8, 2, 24, 8), timeout=120.0) as be:
+            os.kill(be._procs[0].pid, signal.SIGKILL)
+            version = be.broadcast(params)
+            be.map(version, [None])
+
+
 def test_cli_rejects_bad_flags():
     proc = _cli("--workers", "0")
     assert proc.returncode == 2 and "--workers must be >= 1" in proc.stderr

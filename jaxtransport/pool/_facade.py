@@ -34,7 +34,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
-from .. import _codec, _shm
+from .. import _codec, _procenv, _shm
 from . import _wire
 from .._errors import PoolStateError
 from ._results import AsyncResult, IMapIterator, MapResult
@@ -149,12 +149,7 @@ class Pool:
         shm_reserve: int | tuple[int, int] | None = None,
     ):
         if start_method == "fork":
-            raise ValueError(
-                "jaxtransport.Pool refuses start_method='fork': JAX runs threads (XLA's thread "
-                "pools, the runtime) that fork() does not copy, so a forked child that touches JAX "
-                "can deadlock. Use start_method='spawn' (the default) or 'forkserver'; functions "
-                "defined in __main__ or a notebook still work (they travel with cloudpickle)."
-            )
+            raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         if start_method not in multiprocessing.get_all_start_methods():

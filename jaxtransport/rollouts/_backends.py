@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from . import _worker as worker
 from .._procenv import environ_overlay
 
-BACKENDS = ("pool", "ray")
+BACKENDS = ("pool", "ray", "queue")
 TRANSPORTS = ("jaxtransport", "stock")
 
 # What every worker process gets, whichever backend and transport: JAX on the host CPU unless
@@ -343,6 +343,164 @@ class RayBackend(Backend):
                 self._session.close()
 
 
+_READY = "ready"  # an actor's first message: started and compiled
+
+
+def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
+               shape: tuple, max_lag: int = 1) -> None:
+    """A streaming actor (``--backend queue``): steps its environments continuously, puts each
+    trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
+    the newest parameters the learner published (``params_q``) before each rollout. It runs at
+    most ``1 + max_lag`` rollouts with one parameter version, then waits for a newer one (so the
+    learner's data is at most ``max_lag`` updates old, and actors keep stepping while the
+    learner updates). ``None`` on ``params_q`` stops it."""
+    import queue as _queue
+
+    _warm_up(env, warm)
+    import jax
+
+    envs, frame_size, steps = shape
+    base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
+    carry = worker.initial_carry(jax.random.fold_in(base, 0), envs)
+    traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
+    item = params_q.get()
+    n = used = 0
+    while item is not None:
+        version, params = item
+        while True:  # the newest parameters published so far; older ones are dropped
+            try:
+                newer = params_q.get_nowait()
+            except _queue.Empty:
+                if used <= max_lag:
+                    break
+                newer = params_q.get()  # this version is used up: wait for the next
+            if newer is None:
+                return
+            version, params = newer
+            used = 0
+        traj, carry, compute = worker.rollout(params, carry, jax.random.fold_in(base, n + 1), frame_size, steps)
+        n += 1
+        used += 1
+        traj_q.put((traj, carry, compute, version))
+        del traj
+        item = (version, params)
+
+
+class QueueBackend(Backend):
+    """Long-lived actor processes streaming trajectories through a queue (IMPALA/Sebulba style):
+    actors never wait for the learner's update, they use the newest parameters they have.
+
+    ``broadcast(params)`` publishes a new parameter version to every actor's parameter queue;
+    ``map(version, tasks)`` takes the next ``len(tasks)`` trajectories from the shared
+    trajectory queue, whichever actors made them, and returns ``(trajectory, carry, compute_s,
+    lag)`` with ``lag`` = versions between the parameters that produced it and ``version``
+    (the off-policy lag). The trajectory queue is bounded (one per actor): actors that outrun
+    the learner wait. ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
+    ``"stock"`` the same code on ``multiprocessing`` (spawn).
+    """
+
+    def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
+                 seed: int = 0, shape: tuple | None = None):
+        if transport == "jaxtransport":
+            from .. import multiprocessing as jmp
+
+            ctx = jmp.get_context("spawn")
+        else:
+            ctx = multiprocessing.get_context("spawn")
+        if shape is None:
+            if warm is None:
+                raise ValueError("--backend queue needs the rollout shapes (envs, frame_size, steps)")
+            shape = tuple(warm[2:5])
+        self.name = f"queue/{transport}"
+        self.timeout = timeout
+        self._version = 0
+        env = worker_env(workers)
+        self._traj = ctx.Queue(workers)
+        self._params = [ctx.Queue() for _ in range(workers)]
+        self._procs = []
+        try:
+            with environ_overlay(env):
+                for i in range(workers):
+                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape),
+                                    daemon=True, name=f"jaxtransport-rollouts-actor-{i}")
+                    p.start()
+                    self._procs.append(p)
+        except BaseException:
+            self.terminate()
+            raise
+
+    def broadcast(self, params):
+        self._version += 1
+        for q in self._params:
+            q.put((self._version, params))
+        return self._version
+
+    def wait_ready(self):
+        self._take(len(self._procs), ready=True)
+
+    def map(self, handle, tasks):
+        return [(traj, carry, compute, handle - version)
+                for traj, carry, compute, version in self._take(len(tasks), ready=False)]
+
+    def _take(self, n: int, ready: bool) -> list:
+        """The next ``n`` trajectories (``ready``: the actors' ready messages) from the shared
+        queue, raising when an actor died or the task timeout passes."""
+        import queue as _queue
+        import time
+
+        deadline = time.monotonic() + self.timeout
+        out = []
+        while len(out) < n:
+            try:
+                item = self._traj.get(timeout=1.0)
+            except _queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(
+                        f"{self.name}: rollout actor {dead[0].name} (pid {dead[0].pid}) exited with code "
+                        f"{dead[0].exitcode}: check its output above") from None
+                if time.monotonic() > deadline:
+                    raise _timeout_error(self.name, self.timeout) from None
+                continue
+            if item == _READY:
+                if ready:
+                    out.append(item)
+                continue
+            if ready:
+                raise RuntimeError(f"{self.name}: a trajectory arrived before every actor was ready")
+            out.append(item)
+        return out
+
+    def _stop(self, grace: float) -> None:
+        for q in self._params:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        import queue as _queue
+        import time
+
+        deadline = time.monotonic() + grace
+        while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+            try:  # actors waiting to put a trajectory must get through to see the stop
+                self._traj.get(timeout=0.1)
+            except (_queue.Empty, Exception):  # noqa: BLE001
+                pass
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        for q in self._params + [self._traj]:
+            q.cancel_join_thread()
+            q.close()
+
+    def close(self):
+        self._stop(30.0)
+
+    def terminate(self):
+        self._stop(0.0)
+
+
 def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
     """On an existing cluster, wait (up to ``timeout`` s) until it offers ``workers`` CPUs:
     worker nodes that are still joining (``docker compose up``) would otherwise leave the tasks
@@ -368,11 +526,12 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
          warm: tuple | None = None, timeout: float = 600.0,
-         session: RaySession | None = None) -> Backend:
+         session: RaySession | None = None, seed: int = 0) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
     before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray
-    connection to run on (``--backend ray``; default: the backend starts its own)."""
+    connection to run on (``--backend ray``; default: the backend starts its own). ``seed``:
+    the streaming actors' environment seeds (``--backend queue``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if transport not in TRANSPORTS:
@@ -383,6 +542,8 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
     if backend == "ray":
         return RayBackend(workers, transport, address, timeout, warm, session=session)
+    if backend == "queue":
+        return QueueBackend(workers, transport, warm, timeout, seed)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)

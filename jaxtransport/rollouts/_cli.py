@@ -66,6 +66,7 @@ class IterationStats:
     compute_s: float  # slowest worker's rollout, measured in the worker
     learner_s: float
     transport_s: float  # wall - compute - learner
+    lag: float | None = None  # --backend queue: mean parameter versions behind the learner
 
 
 @dataclasses.dataclass
@@ -133,7 +134,8 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     print(f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
           "the rollout in each, and the learner here ...", file=out, flush=True)
     with backends.make(cfg.backend, transport, cfg.workers, address=cfg.address,
-                       warm=warm, timeout=cfg.task_timeout, session=session) as be:
+                       warm=warm, timeout=cfg.task_timeout, session=session,
+                       seed=cfg.seed) as be:
         # The workers start and compile in the background while the learner compiles here.
         worker.warm_up_learner(
             params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
@@ -158,6 +160,9 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             trajs = [r[0] for r in results]
             carries = [r[1] for r in results]
             compute = max(float(r[2]) for r in results)
+            # Streaming actors (--backend queue) report how many parameter versions behind the
+            # learner each trajectory's policy was, and overlap compute with the learner.
+            lag = sum(r[3] for r in results) / len(results) if len(results[0]) > 3 else None
             moved = param_bytes * cfg.workers + sum(
                 policy.num_bytes(r[0]) + policy.num_bytes(r[1]) for r in results
             )
@@ -185,6 +190,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
                 compute_s=compute,
                 learner_s=learner,
                 transport_s=max(wall - compute - learner, 0.0),
+                lag=lag,
             )
             result.iterations.append(stats)
             bar.clear()
@@ -204,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
                    help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
-                   "ray: one Ray actor per worker")
+                   "ray: one Ray actor per worker; queue: long-lived actors streaming "
+                   "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
+                   "and picking up new parameters as the learner publishes them")
     p.add_argument("--address", default=None,
                    help="address of a running Ray cluster (head:6379, or auto); this machine "
                    "must be one of its nodes (ray start --address=...); none: start a local "

@@ -21,7 +21,7 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def worker_noun(backend: str) -> str:
-    return "Ray actors" if backend == "ray" else "worker processes"
+    return {"ray": "Ray actors", "queue": "streaming actor processes"}.get(backend, "worker processes")
 
 
 class ProgressBar:
@@ -68,7 +68,9 @@ def iteration_line(s: IterationStats, cfg: Config, warmup: bool) -> str:
         f"iter {s.iteration:3d}/{cfg.iterations}  return {ret} ({s.episodes:3d} episodes)  "
         f"{s.env_steps / max(s.wall_s, 1e-12) / 1e3:7.1f}k steps/s  "
         f"transport {s.transport_s:6.3f}s  compute {s.compute_s:6.3f}s  "
-        f"learner {s.learner_s:6.3f}s" + ("  (warm-up)" if warmup else "")
+        f"learner {s.learner_s:6.3f}s"
+        + (f"  lag {s.lag:.1f}" if getattr(s, "lag", None) is not None else "")
+        + ("  (warm-up)" if warmup else "")
     )
 
 
