@@ -13,7 +13,7 @@ FLOOR_VENV := .venv-floor
 # The subset run at both ends: every codec path, registration, pickling, the Pool and Ray.
 # (The rollouts demo, Docker files, benchmarks and the multi-node Ray cluster run on the main venv.)
 RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py tests/test_pool.py \
-	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py
+	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py
 
 .PHONY: venv demo test bench clean test-newest test-floor venv-newest venv-floor
 

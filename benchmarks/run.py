@@ -39,6 +39,7 @@ RESULTS = os.path.join(HERE, "results")
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("usercode", "benchmarks.usercode"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
 )

@@ -430,3 +430,22 @@ def collect_jax_garbage() -> None:
         import gc
 
         gc.collect(0)
+
+
+# --------------------------------------------------------------------------------------------
+# JAX's own pickling of a jax.Array (read by jaxtransport.ray's default-path warning).
+# Probe: ``ArrayImpl.__reduce__`` names ``jax._src.array._reconstruct_array`` (jax 0.4.30-0.12,
+# jax/_src/array.py); fallback: None (the warning is off on a JAX that rebuilds otherwise).
+
+
+def jax_default_array_rebuild() -> tuple[str, str] | None:
+    """(module, name) of the global JAX's own unpickling of a jax.Array looks up, or None."""
+    try:
+        from jax._src import array as jax_array
+
+        name = "_reconstruct_array"
+        if callable(getattr(jax_array, name, None)) and name in jax_array.ArrayImpl.__reduce__.__code__.co_names:
+            return (jax_array.__name__, name)
+    except Exception:  # pragma: no cover - another layout
+        pass
+    return None

@@ -86,13 +86,14 @@ except ImportError as _e:  # pragma: no cover - exercised in a fresh interpreter
 import jax
 import jax.errors
 
-from . import _codec, _pool_env
+from . import _codec, _compat, _procenv
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
 from ._tracers import find_tracer, tracer_error, tracer_types
 
 __all__ = [
     "SETUP_HOOK",
+    "RayDefaultSerializationWarning",
     "init",
     "is_registered",
     "register",
@@ -210,6 +211,110 @@ def _refuse_tracer(t: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# Note [default-path warning]
+#
+# Registering only the driver (a plain ``ray.init()`` followed by :func:`register`) works, but
+# results computed in workers then come back through Ray's default serialization: JAX's own
+# ``__reduce__`` copies the data into the pickle stream (in-band), about half the speed of a
+# registered round trip, silently. So while this process is registered, the first jax.Array that
+# arrives here through Ray's default path raises a RayDefaultSerializationWarning naming the
+# fix (once per process).
+#
+# Detection, without patching JAX or Ray: JAX's own pickle of an ArrayImpl (and of a typed key
+# array, whose state holds one) names JAX's rebuild function (``_compat``); unpickling it looks
+# that global up, which raises the ``pickle.find_class`` audit event (PEP 578; the C unpickler
+# raises it too). An audit hook, installed by the first register() - audit hooks cannot be
+# removed, so it does nothing unless this process is registered - watches for that name and
+# checks that the unpickling runs inside Ray's deserializer
+# (``ray._private.serialization.SerializationContext._deserialize_pickle5_data``, which calls
+# ``pickle.loads`` directly: it is the Python frame right under the event). Both names are
+# probed when the hook is installed; where either is missing (another JAX or Ray layout),
+# detection is off and nothing is warned. Upstream: jax/_src/array.py (ArrayImpl.__reduce__),
+# ray/_private/serialization.py (_deserialize_pickle5_data). Cost: one Python call per audit
+# event in the process, returning at once unless the event is ``pickle.find_class``.
+
+_JAX_DEFAULT_REBUILD: tuple[str, str] | None = None  # set by _default_path_detectable()
+_RAY_DESERIALIZER = ("ray._private.serialization", "_deserialize_pickle5_data")
+_audit_installed = False
+_watch_default_path = False
+_default_path_warned = False
+
+
+class RayDefaultSerializationWarning(UserWarning):
+    """A jax.Array reached this process through Ray's default (in-band, copying) serialization
+    although jaxtransport is registered here: the process that sent it had not registered
+    jaxtransport (typically workers of a job started with a plain ``ray.init()``). Start Ray with
+    :func:`init`, or give the job :func:`runtime_env`. Shown once per process."""
+
+
+def _default_path_detectable() -> bool:
+    global _JAX_DEFAULT_REBUILD
+    try:
+        from ray._private import serialization as ray_serialization
+
+        _JAX_DEFAULT_REBUILD = _compat.jax_default_array_rebuild()
+        return _JAX_DEFAULT_REBUILD is not None and hasattr(
+            ray_serialization.SerializationContext, _RAY_DESERIALIZER[1])
+    except Exception:  # pragma: no cover - another layout: no detection
+        return False
+
+
+def _inside_ray_deserializer(frame: Any) -> bool:
+    for _ in range(16):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == _RAY_DESERIALIZER[1]
+                and frame.f_globals.get("__name__") == _RAY_DESERIALIZER[0]):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the caller of this function, of the first frame
+    outside Ray and jaxtransport (the user's ``ray.get``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("ray", "jaxtransport"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _on_default_path() -> None:
+    global _default_path_warned
+    if _default_path_warned or not _watch_default_path or not _inside_ray_deserializer(sys._getframe(2)):
+        return
+    _default_path_warned = True
+    warnings.warn(
+        "jaxtransport.ray: a jax.Array reached this process through Ray's default serialization "
+        "(JAX's own pickling: the data is copied into the pickle stream instead of travelling "
+        "out-of-band, about half the speed) although jaxtransport is registered here. The "
+        "process that sent it has not registered jaxtransport - typically a Ray worker of a "
+        "job started with a plain ray.init(), where only this driver called "
+        "jaxtransport.ray.register(). Fix: start Ray with jaxtransport.ray.init(...) instead of "
+        "ray.init(...), or pass runtime_env=jaxtransport.ray.runtime_env(...) to ray.init (or "
+        "to the job submission) so that every worker registers through the setup hook. "
+        "(Shown once per process.)",
+        RayDefaultSerializationWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "pickle.find_class" and _watch_default_path and args == _JAX_DEFAULT_REBUILD:
+        _on_default_path()
+
+
+def _watch_default_serialization(on: bool) -> None:
+    global _audit_installed, _watch_default_path
+    if on and not _audit_installed:
+        if not _default_path_detectable():
+            return
+        sys.addaudithook(_audit)
+        _audit_installed = True
+    _watch_default_path = on and _audit_installed
+
+
+# --------------------------------------------------------------------------------------------
 # Note [tracer errors through Ray]
 
 
@@ -277,7 +382,10 @@ def register(placement: str = "device") -> None:
     site, naming its key path (Note [tracer errors through Ray]).
 
     Registration is per process: results computed in workers only come back this way when the
-    workers registered too - start Ray with :func:`init` or :func:`runtime_env`.
+    workers registered too - start Ray with :func:`init` or :func:`runtime_env`. While this
+    process is registered, the first jax.Array that still arrives through Ray's default
+    (in-band, copying) serialization raises a :class:`RayDefaultSerializationWarning` naming
+    that fix (Note [default-path warning]).
     """
     global _placement
     _codec.check_placement(placement)
@@ -291,6 +399,7 @@ def register(placement: str = "device") -> None:
                 _saved[cls] = table.get(cls, _MISSING)
             ray.util.register_serializer(cls, serializer=serializer, deserializer=_deserialize)
         _patch_inspect()
+        _watch_default_serialization(True)
 
 
 def unregister() -> None:
@@ -306,6 +415,7 @@ def unregister() -> None:
                 table[cls] = previous
         _saved.clear()
         _unpatch_inspect()
+        _watch_default_serialization(False)
         _placement = _initial_placement()
 
 
@@ -368,7 +478,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
       ``GLIBC_TUNABLES`` (after ``base``'s value, else this process's), so that JAX's large
       host buffers get transparent huge pages as numpy's do and results are copied into the
       object store as fast as numpy arrays (Note [huge pages for JAX buffers] in
-      ``jaxtransport._pool_env``). ``huge_pages=False`` leaves malloc alone.
+      ``jaxtransport._procenv``). ``huge_pages=False`` leaves malloc alone.
 
     Use it as the job's runtime_env (``ray.init(runtime_env=...)`` or a job submission);
     jaxtransport must be importable in the workers (installed there, or shipped with
@@ -405,7 +515,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
     if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
         env_vars["JAX_ENABLE_X64"] = "1"
     if huge_pages:
-        env_vars["GLIBC_TUNABLES"] = _pool_env.malloc_huge_pages(
+        env_vars["GLIBC_TUNABLES"] = _procenv.malloc_huge_pages(
             env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
     env["env_vars"] = env_vars
     return env

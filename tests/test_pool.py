@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport import _pool_env
+from jaxtransport import _procenv as _pool_env
 from jaxtransport._errors import PoolStateError, TransportError
 
 from .conftest import huge_pages_kib, malloc_huge_pages_work, run_python
@@ -36,7 +36,7 @@ def square(x):
 def worker_info(_=None):
     import os
 
-    from jaxtransport import _pool_worker
+    from jaxtransport.pool import _worker as _pool_worker
 
     w = _pool_worker.CURRENT
     return {
@@ -159,7 +159,7 @@ if __name__ == "__main__":
 def describe(tree):
     import jax
 
-    from jaxtransport import _pool_worker
+    from jaxtransport.pool import _worker as _pool_worker
 
     w = _pool_worker.CURRENT
     out = []

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport import _pool_state, _pool_wire
+from jaxtransport.pool import _state as _pool_state
+from jaxtransport.pool import _wire as _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
 from .conftest import wait_until
@@ -30,7 +31,7 @@ def minflt(pid):
 
 
 def worker():
-    from jaxtransport import _pool_worker
+    from jaxtransport.pool import _worker as _pool_worker
 
     return _pool_worker.CURRENT
 
