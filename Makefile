@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 
 # The two ends of the supported range (README "Tested range"), each in its own virtualenv:
 # the newest releases on the newest Python, the declared floor on the oldest Python.
-PYENV_VERSIONS ?= $(HOME)/.pyenv/versions
+PYENV_VERSIONS ?= $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions
 NEWEST_PYTHON ?= $(lastword $(sort $(wildcard $(PYENV_VERSIONS)/3.13*/bin/python)))
 FLOOR_PYTHON ?= $(lastword $(sort $(wildcard $(PYENV_VERSIONS)/3.10*/bin/python)))
 NEWEST_VENV := .venv-newest

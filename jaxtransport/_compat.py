@@ -104,8 +104,8 @@ def is_committed(x: Any) -> bool:
 #   ``jax._src.literals.TypedNdArray(np_value, aval=ShapedArray(..., weak_type=True))`` and
 #   ``device_put``s that; the weak aval travels with the host value.
 #
-# jaxtransport never assigns ``aval`` (that setter is gone in 0.12, and the one way that worked
-# everywhere should not depend on it). It builds a weak array from host data as the 0.12
+# jaxtransport never assigns ``aval`` (the setter is gone in jaxlib 0.12 and may go from any
+# other internal object the same way). It builds a weak array from host data as the 0.12
 # unpickler does where ``TypedNdArray`` exists, or hands the weak aval straight to
 # ``batched_device_put`` (``put_on_default_device``, the fast path, which takes the aval as an
 # argument); an array already on devices (how "preserve" assembles sharded arrays, and the
