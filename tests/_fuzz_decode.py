@@ -16,9 +16,9 @@ a pytree of several arrays), each mutated three ways:
 
 The oracle (independent of jaxtransport's validator):
 
-- A capture unpickler replays the same pickle with ``_rebuild_array`` (the wire format's
-  rebuild function) replaced by a recorder: it yields the exact (meta, buffers) each array
-  decode receives. A reference decoder (``reference`` below: a boolean coverage mask, not
+- ``capture`` replays the same pickle through ``pickle.loads`` with ``_rebuild_array`` (the
+  wire format's rebuild function) swapped for a recorder: it yields the exact (meta, buffers)
+  each array decode receives. A reference decoder (``reference`` below: a boolean coverage mask, not
   jaxtransport's interval arithmetic) says what each one legitimately describes, or that it
   describes nothing consistent.
 - If ``loads`` returns, every array decode in the stream ran, so every recorded call must be
@@ -33,13 +33,18 @@ The oracle (independent of jaxtransport's validator):
   be refused by jaxtransport with its own error.
 - Memory: tracemalloc's peak during ``loads`` (numpy's allocations are traced) stays within the
   bytes of the buffers plus a small slack: nothing is reserved for sizes the buffers cannot fill.
-  The address space is also capped so that a pickle opcode asking for a huge memo fails fast.
+
+CPython's own unpickler, given a damaged length or memo-index field, allocates what the field
+says before it notices the stream is short (BINBYTES, BYTEARRAY8, ...: gigabytes, and on 3.11
+a failed BYTEARRAY8 leaves a dangling buffer that crashes the next garbage collection) or grows
+its memo to the index (LONG_BINPUT). Those streams never reach jaxtransport's code and are left
+out (``unpickler_hazard``, counted in the report); the address space is capped as well, so one
+that slips through fails with MemoryError instead of touching gigabytes.
 """
 
 from __future__ import annotations
 
 import collections
-import io
 import json
 import math
 import os
