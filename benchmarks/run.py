@@ -39,6 +39,8 @@ RESULTS = os.path.join(HERE, "results")
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("usercode", "benchmarks.usercode"),
+    ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
 )

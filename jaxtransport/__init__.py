@@ -7,6 +7,7 @@ process, and does not import Ray (``jaxtransport.ray`` does, when you import it)
 from ._codec import PLACEMENTS as PLACEMENTS
 from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
 from ._errors import ArrayDeletedError as ArrayDeletedError
+from ._errors import BrokenExecutorError as BrokenExecutorError
 from ._errors import CorruptTransferError as CorruptTransferError
 from ._errors import DtypeUnavailableError as DtypeUnavailableError
 from ._errors import PlacementError as PlacementError
@@ -24,16 +25,20 @@ from ._pickling import loads as loads
 from ._pickling import register as register
 from ._pickling import unregister as unregister
 from ._tracers import check_transportable as check_transportable
+from .pool import Executor as Executor
 from .pool import Pool as Pool
 from .pool import SharedTree as SharedTree
+from .pool import get_reusable_executor as get_reusable_executor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PLACEMENTS",
     "ArrayDeletedError",
+    "BrokenExecutorError",
     "CorruptTransferError",
     "DtypeUnavailableError",
+    "Executor",
     "PlacementError",
     "PlacementFallbackWarning",
     "Pool",
@@ -48,6 +53,7 @@ __all__ = [
     "WorkerLostError",
     "check_transportable",
     "dumps",
+    "get_reusable_executor",
     "is_registered",
     "loads",
     "register",

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from . import _compat
 from ._errors import (
     ArrayDeletedError,
     CorruptTransferError,
@@ -85,23 +86,9 @@ def check_placement(placement: str) -> str:
     return placement
 
 
-_CONCRETE_TYPES: tuple[type, ...] | None = None
-
-
 def concrete_array_types() -> tuple[type, ...]:
     """The exact classes of concrete JAX arrays (``jax.Array`` itself is abstract)."""
-    global _CONCRETE_TYPES
-    if _CONCRETE_TYPES is None:
-        from jax._src.array import ArrayImpl
-
-        types_: list[type] = [ArrayImpl]
-        try:
-            from jax._src.prng import PRNGKeyArray  # type: ignore
-        except ImportError:
-            from jax._src.random.prng import PRNGKeyArray  # type: ignore
-        types_.append(PRNGKeyArray)
-        _CONCRETE_TYPES = tuple(types_)
-    return _CONCRETE_TYPES
+    return _compat.concrete_array_types()
 
 
 def is_jax_array(x: Any) -> bool:
@@ -180,7 +167,7 @@ def encode(x: Any) -> tuple[ArrayMeta, list[np.ndarray]]:
     _check_alive(x)
     prng_impl = None
     if _is_key(x):
-        prng_impl = str(jax.random.key_impl(x))
+        prng_impl = _compat.prng_impl_name(x)  # the canonical name on every JAX
         x = jax.random.key_data(x)
     if not x.is_fully_addressable:
         raise UnsupportedArrayError(
@@ -502,9 +489,9 @@ def _rebuild_sharding(sharding_meta: tuple | None) -> Any | None:
 
 
 def _set_weak_type(x: Any, weak_type: bool) -> Any:
+    """``x`` rebuilt weak-typed over the same buffers (Note [weak types] in ``_compat``)."""
     if weak_type and not x.weak_type:
-        # What JAX's own unpickling does (jax/_src/array.py: _reconstruct_array).
-        x.aval = x.aval.update(weak_type=True)
+        return _compat.with_weak_type(x)
     return x
 
 
@@ -538,61 +525,12 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
 
 def _wrap_key(data: Any, impl: str) -> Any:
     try:
-        return jax.random.wrap_key_data(data, impl=impl)
-    except (TypeError, ValueError, KeyError) as e:
+        return _compat.wrap_key_data(data, impl)
+    except UnsupportedArrayError as e:
         raise _corrupt(
             f"key data of shape {data.shape} and dtype {data.dtype} is not a key array of PRNG "
             f"implementation {impl!r}: {e}"
         ) from None
-
-
-_FAST_PUT: Any = None  # None: not tried yet; False: unavailable in this jax; else the function
-_FLOAT0 = np.dtype(jax.dtypes.float0)  # jax.device_put turns these into bools: left to it
-
-
-def _make_fast_put():
-    from jax._src import core
-    from jax._src.interpreters import pxla
-    from jax.sharding import SingleDeviceSharding
-
-    shardings: dict = {}
-
-    def put(x: np.ndarray):
-        device = pxla.get_default_device()
-        sharding = shardings.get(device)
-        if sharding is None:
-            sharding = shardings[device] = SingleDeviceSharding(device)
-        return pxla.batched_device_put(core.shaped_abstractify(x), sharding, [x], [device], committed=False)
-
-    return put
-
-
-def _device_put(x: np.ndarray) -> Any:
-    """``jax.device_put(x)`` for a host ndarray: what it ends in for one (``batched_device_put``
-    onto the default device, uncommitted), without the layers above, which on a cold cache -
-    right after a large copy, the moment every transfer decodes - cost ~250 us where this path
-    costs ~40 us. Falls back to ``jax.device_put`` for good when this jax's internals differ
-    (checked on first use)."""
-    global _FAST_PUT
-    fast = _FAST_PUT
-    if fast is None:
-        try:
-            fast = _make_fast_put()
-            probe = np.arange(4, dtype=np.int32)
-            out, ref = fast(probe), jax.device_put(probe)
-            if not (isinstance(out, jax.Array) and out.sharding == ref.sharding
-                    and out.dtype == ref.dtype and out.weak_type == ref.weak_type
-                    and out.committed == ref.committed and np.array_equal(np.asarray(out), probe)):
-                fast = False
-        except Exception:
-            fast = False
-        _FAST_PUT = fast
-    if fast is not False and x.dtype != _FLOAT0:
-        try:
-            return fast(x)
-        except Exception:  # pragma: no cover - jax's own path raises what it raises
-            pass
-    return jax.device_put(x)
 
 
 def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
@@ -626,7 +564,8 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
             return out
     elif placement != "device":
         check_placement(placement)
-    out = _set_weak_type(_device_put(_assemble(meta, buffers, dtype)), meta.weak_type)
+    # jax.device_put's result, weak-typed where the sender's was (see _compat).
+    out = _compat.put_on_default_device(_assemble(meta, buffers, dtype), meta.weak_type)
     if meta.prng_impl is not None:
         out = _wrap_key(out, meta.prng_impl)
     return out

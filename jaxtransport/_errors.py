@@ -134,6 +134,12 @@ class WorkerLostError(TransportError, _broken_process_pool()):
     """
 
 
+class BrokenExecutorError(TransportError, _broken_process_pool()):
+    """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
+    initializer failed): no call can run. A ``concurrent.futures.process.BrokenProcessPool``,
+    as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause."""
+
+
 class PoolStateError(TransportError, ValueError):
     """A Pool was used after ``close()``/``terminate()``, or a pool object was misused (``join``
     before ``close``, a SharedTree of another pool or already released). Subclasses ValueError

@@ -463,14 +463,9 @@ def collect_deferred() -> None:
 
     if "jax" not in sys.modules:
         return
-    try:
-        from jax._src.lib import _jax
+    from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 
-        _jax.collect_garbage()
-    except Exception:  # pragma: no cover - layout differs in this jaxlib: gc does it too
-        import gc
-
-        gc.collect(0)
+    collect_jax_garbage()
 
 
 def _on_holder_dead(pending, registry, addr, release) -> None:

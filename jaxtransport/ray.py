@@ -86,7 +86,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a fresh interpreter
 import jax
 import jax.errors
 
-from . import _codec, _pool_env
+from . import _codec, _compat, _procenv
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
 from ._tracers import find_tracer, tracer_error, tracer_types
@@ -174,14 +174,9 @@ _REAP_DELAYS = (0.005, 0.05, 0.5, 2.0)
 
 
 def _collect_jax_garbage() -> None:
-    try:
-        from jax._src.lib import _jax
+    from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 
-        _jax.collect_garbage()
-    except Exception:  # pragma: no cover - another jaxlib layout: a gc pass does the same
-        import gc
-
-        gc.collect(0)
+    collect_jax_garbage()
 
 
 def _reap_forever() -> None:
@@ -226,7 +221,7 @@ def _refuse_tracer(t: Any) -> Any:
 # fix (once per process).
 #
 # Detection, without patching JAX or Ray: JAX's own pickle of an ArrayImpl (and of a typed key
-# array, whose state holds one) names ``jax._src.array._reconstruct_array``; unpickling it looks
+# array, whose state holds one) names JAX's rebuild function (``_compat``); unpickling it looks
 # that global up, which raises the ``pickle.find_class`` audit event (PEP 578; the C unpickler
 # raises it too). An audit hook, installed by the first register() - audit hooks cannot be
 # removed, so it does nothing unless this process is registered - watches for that name and
@@ -238,7 +233,7 @@ def _refuse_tracer(t: Any) -> Any:
 # ray/_private/serialization.py (_deserialize_pickle5_data). Cost: one Python call per audit
 # event in the process, returning at once unless the event is ``pickle.find_class``.
 
-_JAX_DEFAULT_REBUILD = ("jax._src.array", "_reconstruct_array")
+_JAX_DEFAULT_REBUILD: tuple[str, str] | None = None  # set by _default_path_detectable()
 _RAY_DESERIALIZER = ("ray._private.serialization", "_deserialize_pickle5_data")
 _audit_installed = False
 _watch_default_path = False
@@ -253,15 +248,13 @@ class RayDefaultSerializationWarning(UserWarning):
 
 
 def _default_path_detectable() -> bool:
+    global _JAX_DEFAULT_REBUILD
     try:
-        from jax._src import array as jax_array
         from ray._private import serialization as ray_serialization
 
-        return (
-            callable(getattr(jax_array, _JAX_DEFAULT_REBUILD[1], None))
-            and _JAX_DEFAULT_REBUILD[1] in jax_array.ArrayImpl.__reduce__.__code__.co_names
-            and hasattr(ray_serialization.SerializationContext, _RAY_DESERIALIZER[1])
-        )
+        _JAX_DEFAULT_REBUILD = _compat.jax_default_array_rebuild()
+        return _JAX_DEFAULT_REBUILD is not None and hasattr(
+            ray_serialization.SerializationContext, _RAY_DESERIALIZER[1])
     except Exception:  # pragma: no cover - another layout: no detection
         return False
 
@@ -485,7 +478,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
       ``GLIBC_TUNABLES`` (after ``base``'s value, else this process's), so that JAX's large
       host buffers get transparent huge pages as numpy's do and results are copied into the
       object store as fast as numpy arrays (Note [huge pages for JAX buffers] in
-      ``jaxtransport._pool_env``). ``huge_pages=False`` leaves malloc alone.
+      ``jaxtransport._procenv``). ``huge_pages=False`` leaves malloc alone.
 
     Use it as the job's runtime_env (``ray.init(runtime_env=...)`` or a job submission);
     jaxtransport must be importable in the workers (installed there, or shipped with
@@ -522,7 +515,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
     if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
         env_vars["JAX_ENABLE_X64"] = "1"
     if huge_pages:
-        env_vars["GLIBC_TUNABLES"] = _pool_env.malloc_huge_pages(
+        env_vars["GLIBC_TUNABLES"] = _procenv.malloc_huge_pages(
             env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
     env["env_vars"] = env_vars
     return env

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtransport import _rollouts_env as env
-from jaxtransport import _rollouts_policy as policy
-from jaxtransport import _rollouts_worker as worker
+from jaxtransport.rollouts import _backends as backends
+from jaxtransport.rollouts import _env as env
+from jaxtransport.rollouts import _policy as policy
+from jaxtransport.rollouts import _worker as worker
 from jaxtransport import rollouts
 
 from .conftest import ROOT
@@ -210,7 +211,7 @@ class _Inline:
 def test_return_improves_with_a_fixed_seed(monkeypatch):
     """REINFORCE on pixels learns: the last iterations' mean return is at least twice the
     first's. Deterministic (fixed seed, XLA CPU), so this cannot flake."""
-    monkeypatch.setattr(rollouts.backends, "make", _Inline)
+    monkeypatch.setattr(backends, "make", _Inline)
     cfg = rollouts.Config(workers=2, envs=8, steps=64, frame_size=32, param_mb=1,
                           iterations=10, seed=0, lr=0.01, table_lr=0.3)
     result = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
@@ -276,12 +277,12 @@ def _inline_returns() -> list[str]:
                           frame_size=args.frame_size, param_mb=args.param_mb,
                           hidden=args.hidden, warmup=args.warmup)
     out = io.StringIO()
-    saved = rollouts.backends.make
-    rollouts.backends.make = _Inline
+    saved = backends.make
+    backends.make = _Inline
     try:
         rollouts.train(cfg, "stock", out=out, err=io.StringIO())
     finally:
-        rollouts.backends.make = saved
+        backends.make = saved
     return _printed_returns(out.getvalue())
 
 
@@ -295,7 +296,7 @@ def test_killed_worker_stops_the_loop_with_an_error_not_a_hang():
     import threading
     import time
 
-    from jaxtransport import _rollouts_backends as backends
+    from jaxtransport.rollouts import _backends as backends
 
     params = policy.init(jax.random.key(0), 0.25, 8)
     carry = worker.initial_carry(jax.random.key(1), 2)

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxtransport import _codec, _pool_wire, _shm
+from jaxtransport import _codec, _shm
+from jaxtransport.pool import _wire as _pool_wire
 from jaxtransport._errors import ShmCapacityError, ShmHandleError
 
 from .conftest import ROOT

@@ -89,9 +89,10 @@ class _Worker:
     def __init__(self, conn, fdsock, cfg):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
-        from . import _pool_wire, _shm
+        from .. import _shm
+        from . import _wire
 
-        self.wire = _pool_wire
+        self.wire = _wire
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
@@ -115,7 +116,7 @@ class _Worker:
             raise SystemExit(0) from None
 
     def send_fds(self, segs) -> None:
-        from . import _shm
+        from .. import _shm
 
         for seg_id in segs:
             if seg_id in self.sent_segs:
@@ -188,7 +189,7 @@ class _Worker:
         except KeyError:
             pass
         if tree_id not in self.trees:
-            from ._errors import ShmHandleError
+            from .._errors import ShmHandleError
 
             raise ShmHandleError(
                 f"SharedTree {tree_id} is not defined in this worker (it was released before the "
@@ -303,7 +304,7 @@ def _pack_error(e: BaseException, note: str | None = None):
     try:
         pickle.loads(cloudpickle.dumps(e))  # it must also rebuild in the parent
     except Exception:
-        from ._errors import TransportError
+        from .._errors import TransportError
 
         exc = TransportError(f"{type(e).__module__}.{type(e).__qualname__}: {e} (the original exception could not be pickled)")
     return (exc, tb)

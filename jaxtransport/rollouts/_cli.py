@@ -1,27 +1,4 @@
-"""Distributed rollouts: a learner and N workers moving JAX arrays every iteration.
-
-Run ``python -m jaxtransport.rollouts --help``. Each iteration:
-
-1. the learner broadcasts the policy parameters (``Pool.share`` / ``ray.put``; ``--param-mb``
-   MiB of float32),
-2. every worker runs ``--envs`` CartPole environments for ``--steps`` steps in one jitted,
-   vmapped ``lax.scan``, acting from rendered pixel frames, and returns the trajectory (frames,
-   actions, rewards, episode boundaries) as jax arrays,
-3. the learner recomputes the policy's inputs from the returned frames and takes one REINFORCE
-   step (Adam), so the return improves over the iterations.
-
-Time is split honestly: *compute* is measured inside the workers (the slowest worker, the
-critical path when every worker has its own core), *learner* is the update step, and
-*transport* is everything else in the iteration's wall time (broadcast, task dispatch, results
-back, decoding). ``--compare`` runs the same seed through the stock transport
-(``multiprocessing.Pool`` with spawn / Ray's default serialization) and through jaxtransport, and
-prints the speedup.
-
-The parts live in private modules: ``_rollouts_env`` (CartPole and its renderer),
-``_rollouts_policy`` (tile-coded MLP, REINFORCE, Adam), ``_rollouts_worker`` (the jitted
-rollout and learner step), ``_rollouts_backends`` (Pool / Ray, jaxtransport / stock) and
-``_rollouts_report`` (progress bar and tables).
-"""
+"""The rollouts demo's training loop and command line (``python -m jaxtransport.rollouts``)."""
 
 from __future__ import annotations
 
@@ -31,8 +8,8 @@ import sys
 import time
 from typing import Sequence, TextIO
 
-from . import _rollouts_backends as backends
-from . import _rollouts_report as report
+from . import _backends as backends
+from . import _report as report
 
 __all__ = ["Config", "IterationStats", "RunResult", "train", "main"]
 
@@ -123,8 +100,8 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     bar to ``err`` (``None``: stdout/stderr; pass ``io.StringIO()`` to silence)."""
     import jax
 
-    from . import _rollouts_policy as policy
-    from . import _rollouts_worker as worker
+    from . import _policy as policy
+    from . import _worker as worker
 
     cfg.validate()
     out = sys.stdout if out is None else out
@@ -265,6 +242,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.summary_table(runs), flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,8 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _rollouts_env as env
-from . import _rollouts_policy as policy
+from . import _env as env
+from . import _policy as policy
 
 
 class Carry(NamedTuple):
@@ -122,7 +122,7 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
     """One REINFORCE step on the trajectories of all workers. Returns ``(params, opt, loss)``.
 
     Advantages are reward-to-go returns minus the mean at the same step, standardized (see
-    ``_rollouts_policy.update`` for the step). ``params`` and ``opt`` are donated: the table's
+    ``_policy.update`` for the step). ``params`` and ``opt`` are donated: the table's
     sparse update happens in place.
     """
     feats, acts, rets = [], [], []

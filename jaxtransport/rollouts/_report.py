@@ -7,7 +7,7 @@ import platform
 from typing import TYPE_CHECKING, Sequence, TextIO
 
 if TYPE_CHECKING:
-    from .rollouts import Config, IterationStats, RunResult
+    from ._cli import Config, IterationStats, RunResult
 
 MiB = 1 << 20
 

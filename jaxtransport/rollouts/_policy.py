@@ -1,6 +1,6 @@
 """The demo's policy: hashed tile coding into an MLP, REINFORCE, Adam.
 
-Architecture (``apply``): pixel-moment features (``_rollouts_env.read_frame``) are tile
+Architecture (``apply``): pixel-moment features (``_env.read_frame``) are tile
 coded (``N_TILINGS`` offset grids of ``BINS`` cells per dimension, Sutton & Barto ch. 9.5.4),
 each active tile is hashed into a table of ``rows`` embeddings of width ``hidden``; the sum of
 the ``N_TILINGS`` active rows (an embedding bag: the first dense layer of an MLP over the sparse

@@ -2,8 +2,9 @@
 
 What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
 
-- Functions, lambdas and closures travel with cloudpickle (``__main__``/notebook code works under
-  spawn). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
+- Functions, lambdas and closures travel with cloudpickle; ``__main__`` code keeps the stock
+  pool's module semantics (one namespace per worker shared by the initializer and every task:
+  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
   process that has JAX initialised and is refused. Workers start with
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's ``JAX_PLATFORMS`` and, on multi-GPU
   hosts, their own ``CUDA_VISIBLE_DEVICES``.
@@ -33,10 +34,11 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
-from . import _codec, _pool_wire, _shm
-from ._errors import PoolStateError
-from ._pool_results import AsyncResult, IMapIterator, MapResult
-from ._pool_state import _first_tracer, _locator, _State, _terminate_unreferenced, _TreeRec
+from .. import _codec, _shm
+from . import _wire
+from .._errors import PoolStateError
+from ._results import AsyncResult, IMapIterator, MapResult
+from ._state import _first_tracer, _locator, _State, _terminate_unreferenced, _TreeRec
 
 __all__ = ["Pool", "SharedTree", "AsyncResult", "MapResult", "IMapIterator"]
 
@@ -282,10 +284,10 @@ class Pool:
         state = self._state
         state.check_running()
         rec = _TreeRec(next(state.tree_ids))
-        prep = _pool_wire.prepare(tree, threshold=state.threshold, tree_type=None,
+        prep = _wire.prepare(tree, threshold=state.threshold, tree_type=None,
                                   locate=lambda: _first_tracer((tree, "tree")))
         state.tls.wait_start = None
-        rec.enc = _pool_wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
+        rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
         rec.nbytes = sum(h[2] for h in rec.enc.handles)
         with state.lock:
             state.trees[rec.tree_id] = rec

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _codec, _pickling
-from ._errors import ShmHandleError, TracerTransportError
-from ._shm import ALIGN, Arena, Mapper
+from .. import _codec, _pickling, _usercode
+from .._errors import ShmHandleError, TracerTransportError
+from .._shm import ALIGN, Arena, Mapper
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
 
@@ -116,8 +116,9 @@ def _routes(tree_type: type | None) -> dict:
     return _ROUTES
 
 
-class _Encoder(_pickling._Pickler):
-    """cloudpickle (lambdas, closures, ``__main__`` code by value) + jaxtransport reducers,
+class _Encoder(_usercode.Pickler):
+    """cloudpickle (lambdas, closures; ``__main__`` code as Note [user code] in ``_usercode``
+    says) + jaxtransport reducers,
     routed through a :class:`_Router` in ``reducer_override`` (which pickle does not call for
     exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
 
@@ -152,7 +153,7 @@ def _fast_table(tree_type: type | None) -> dict:
 
     key = (len(copyreg.dispatch_table), tree_type)
     if key != _TABLE_KEY:
-        from ._tracers import tracer_types
+        from .._tracers import tracer_types
 
         table = dict(copyreg.dispatch_table)
         for t in tracer_types():

@@ -18,8 +18,8 @@ import multiprocessing
 import os
 from typing import Any, Sequence
 
-from . import _rollouts_worker as worker
-from ._pool_env import environ_overlay
+from . import _worker as worker
+from .._procenv import environ_overlay
 
 BACKENDS = ("pool", "ray")
 TRANSPORTS = ("jaxtransport", "stock")
@@ -140,7 +140,7 @@ class JaxtransportPool(_PoolBackend):
     def __init__(self, workers: int, warm: tuple | None, timeout: float):
         self.name = "pool/jaxtransport"
         self.timeout = timeout
-        from .pool import Pool  # jaxtransport.Pool
+        from ..pool import Pool  # jaxtransport.Pool
 
         env = worker_env(workers)
         self._pool = Pool(workers, initializer=_warm_up, initargs=(env, warm),
@@ -203,7 +203,7 @@ class RayBackend(Backend):
             kwargs.update(num_cpus=workers, include_dashboard=False)
         self._jt_ray = None
         if transport == "jaxtransport":
-            from . import ray as jt_ray
+            from .. import ray as jt_ray
 
             self._jt_ray = jt_ray
             jt_ray.init(**kwargs)
@@ -269,7 +269,7 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
          warm: tuple | None = None, timeout: float = 600.0) -> Backend:
-    """Start a backend. ``warm`` (the arguments of ``_rollouts_worker.warm_up``) lets Pool
+    """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets Pool
     workers compile the rollout while they start. ``timeout``: seconds one iteration's tasks
     may take before ``map`` raises ``TimeoutError`` instead of waiting forever."""
     if backend not in BACKENDS:

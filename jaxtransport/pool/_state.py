@@ -1,5 +1,5 @@
 """The machinery behind jaxtransport.Pool: worker records, scheduling, the manager and feeder
-threads, crash handling and shutdown (see ``pool.py`` for the public API and the overview).
+threads, crash handling and shutdown (see ``_facade.py`` for the public API and the overview).
 
 The parent runs two daemon threads per pool: a *manager* (reads results, watches worker
 sentinels, schedules chunks, replaces dead workers) and a *feeder* (writes large messages, so
@@ -27,15 +27,16 @@ import warnings
 import weakref
 from typing import Any
 
-from . import _pool_env, _pool_wire, _shm
-from ._errors import (
+from .. import _procenv, _shm
+from . import _wire
+from .._errors import (
     PoolStateError,
     PoolTerminatedError,
     RemoteTraceback,
     ShmHandleError,
     WorkerLostError,
 )
-from ._tracers import find_tracer
+from .._tracers import find_tracer
 
 _PREFETCH = 2  # chunks in flight per worker
 # A worker whose chunks take less than _TINY_TASK_S each gets up to _PREFETCH_TINY small chunks
@@ -84,10 +85,10 @@ def _signal_name(code: int) -> str:
 def _dumps_in_band(obj: Any) -> bytes:
     import io
 
-    from ._pickling import _Pickler
+    from .._usercode import Pickler
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5).dump(obj)
+    Pickler(f, protocol=5).dump(obj)
     return f.getvalue()
 
 
@@ -157,7 +158,7 @@ class _State:
         self.placement = placement
         self.worker_env_overrides = dict(worker_env or {})
         self.devices_per_worker = devices_per_worker
-        self.gpus = _pool_env.gpu_ids()
+        self.gpus = _procenv.gpu_ids()
         self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.lock = threading.RLock()
@@ -193,14 +194,14 @@ class _State:
 
     # -- workers
     def _spawn(self, index: int) -> _WorkerRec:
-        env = _pool_env.worker_env(index, devices_per_worker=self.devices_per_worker,
+        env = _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
                                    overrides=self.worker_env_overrides, gpus=self.gpus)
         cfg = pickle.dumps({
             "env": env, "parent_pid": os.getpid(), "threshold": self.threshold,
             "placement": self.placement, "capacity": self.arena.capacity,
             "initializer": self.init_blob, "maxtasks": self.maxtasks, "grace": _CAPACITY_GRACE_S,
         })
-        from ._pool_worker import worker_main
+        from ._worker import worker_main
 
         conn, child_conn = self.ctx.Pipe(duplex=True)
         fdsock, child_sock = _shm.fd_socketpair()
@@ -210,7 +211,7 @@ class _State:
             if self.start_method == "spawn":
                 # The child's environment is os.environ at exec time: set it there so that even
                 # code JAX runs while re-importing __main__ sees it (forkserver: set in the child).
-                with _pool_env.environ_overlay(env):
+                with _procenv.environ_overlay(env):
                     proc.start()
             else:
                 proc.start()
@@ -256,12 +257,12 @@ class _State:
         return True
 
     def function_blob(self, fn):
-        return _pool_wire.function_blob(fn, threshold=self.threshold, locate=lambda: _first_tracer((fn, "func")))
+        return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: _first_tracer((fn, "func")))
 
-    def prepare_chunk(self, fn, mode, items, locate) -> _pool_wire.Prepared:
-        return _pool_wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
+    def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
+        return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
 
-    def submit(self, prep: _pool_wire.Prepared, result, index: int) -> None:
+    def submit(self, prep: _wire.Prepared, result, index: int) -> None:
         """Copy a prepared chunk's arrays into shared memory and queue it."""
         for tree in prep.trees:
             if tree._state is not self:
@@ -270,7 +271,7 @@ class _State:
                 raise PoolStateError(f"{tree!r} was released; share() the tree again to use it in new tasks.")
         chunk_id = next(self.chunk_ids)
         self.tls.wait_start = None
-        enc = _pool_wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+        enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
         chunk = _Chunk(chunk_id, result, index, enc)
         with self.lock:
             if self.terminated or self.broken is not None:
@@ -443,7 +444,7 @@ class _State:
                         del w.outstanding[i]
                         break
             try:
-                value = _pool_wire.decode(data, entries, w.mapper, self.placement, own=self._own_holder)
+                value = _wire.decode(data, entries, w.mapper, self.placement, own=self._own_holder)
             except BaseException as e:  # noqa: BLE001 - this task's failure only
                 ok, value = False, e
                 for i in getattr(e, "unheld", ()):

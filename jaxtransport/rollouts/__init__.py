@@ -1,0 +1,33 @@
+"""Distributed rollouts: a learner and N workers moving JAX arrays every iteration.
+
+Run ``python -m jaxtransport.rollouts --help``. Each iteration:
+
+1. the learner broadcasts the policy parameters (``Pool.share`` / ``ray.put``; ``--param-mb``
+   MiB of float32),
+2. every worker runs ``--envs`` CartPole environments for ``--steps`` steps in one jitted,
+   vmapped ``lax.scan``, acting from rendered pixel frames, and returns the trajectory (frames,
+   actions, rewards, episode boundaries) as jax arrays,
+3. the learner recomputes the policy's inputs from the returned frames and takes one REINFORCE
+   step (Adam), so the return improves over the iterations.
+
+Time is split honestly: *compute* is measured inside the workers (the slowest worker, the
+critical path when every worker has its own core), *learner* is the update step, and
+*transport* is everything else in the iteration's wall time (broadcast, task dispatch, results
+back, decoding). ``--compare`` runs the same seed through the stock transport
+(``multiprocessing.Pool`` with spawn / Ray's default serialization) and through jaxtransport, and
+prints the speedup.
+
+The parts live in private modules: ``_env`` (CartPole and its renderer),
+``_policy`` (tile-coded MLP, REINFORCE, Adam), ``_worker`` (the jitted
+rollout and learner step), ``_backends`` (Pool / Ray, jaxtransport / stock) and
+``_report`` (progress bar and tables).
+"""
+
+from ._cli import Config as Config
+from ._cli import IterationStats as IterationStats
+from ._cli import RunResult as RunResult
+from ._cli import _parser as _parser
+from ._cli import main as main
+from ._cli import train as train
+
+__all__ = ["Config", "IterationStats", "RunResult", "main", "train"]
