@@ -77,6 +77,7 @@ DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"
           "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu", "float4_e2m1fn"]
 DTYPES = [d for d in DTYPES if hasattr(ml_dtypes, d) or hasattr(np, d)]
 ARRAY_DTYPES = {np.dtype(jnp.dtype(d)) for d in DTYPES}
+LEGACY_PRNG_TAGS = {"fry": "threefry2x32", "rbg": "rbg", "urbg": "unsafe_rbg"}
 CANONICALIZED = {np.dtype(jnp.dtype(d)) for d in DTYPES if d == "bool" or d.endswith(("int2", "int4"))
                  or d == "float4_e2m1fn"}
 ODD_DTYPES = ["V4", "O", ">f4", "S3", "U2", "f4,i4", "(2,)f4", "M8[s]", "float0", "nope", "", 3,
@@ -258,9 +259,15 @@ def reference(meta, raw, sender_sharding_meta) -> dict | str:
             return "not covered"
     data = out.view(dtype).reshape(shape)
     if impl is not None:
-        try:
-            key = jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=impl)
-        except Exception:
+        key = None
+        # A name, or the short tag JAX < 0.4.36 printed (which receivers accept too).
+        for name in (impl, LEGACY_PRNG_TAGS.get(impl)):
+            try:
+                key = jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=name)
+                break
+            except Exception:  # noqa: BLE001
+                continue
+        if key is None:
             return "prng impl"
         impl = str(jax.random.key_impl(key))
     try:
