@@ -268,6 +268,7 @@ def _is_int(v: Any) -> bool:
     return type(v) is int  # what the encoder sends; numpy ints could overflow size arithmetic
 
 
+@functools.lru_cache(maxsize=None)
 def _array_dtype_ok(dtype: np.dtype) -> bool:
     if not dtype.isnative or dtype.hasobject or dtype.names is not None or dtype.subdtype is not None:
         return False
@@ -281,6 +282,8 @@ def _buffer_nbytes(buf: Any, k: int) -> int:
         if not buf.flags.c_contiguous:
             raise _corrupt(f"buffer {k} is not C-contiguous")
         return int(buf.nbytes)
+    if type(buf) is memoryview and buf.c_contiguous:  # what pickle and Ray hand over
+        return buf.nbytes
     try:
         with memoryview(buf) as m:
             if not m.c_contiguous:
@@ -300,12 +303,12 @@ def _check_tiling(indices: tuple, shape: tuple) -> None:
                 f"shard {k}'s index {idx!r} is not one (start, stop) pair per dimension of shape {shape}"
             )
         for d, pair in enumerate(idx):
-            if (type(pair) is not tuple or len(pair) != 2 or not _is_int(pair[0]) or not _is_int(pair[1])
-                    or not 0 <= pair[0] <= pair[1] <= shape[d]):
+            if (type(pair) is not tuple or len(pair) != 2 or type(pair[0]) is not int
+                    or type(pair[1]) is not int or not 0 <= pair[0] <= pair[1] <= shape[d]):
                 raise _corrupt(
                     f"shard {k}'s index {idx!r} is outside shape {shape} (dimension {d}: {pair!r})"
                 )
-            ranges[d].add((int(pair[0]), int(pair[1])))
+            ranges[d].add(pair)
         if idx in seen:
             raise _corrupt(f"shard index {idx} appears twice (each distinct shard is sent once)")
         seen.add(idx)
@@ -338,13 +341,11 @@ def _check_sharding_meta(sh: Any) -> None:
     if sh is None:
         return
     ok = type(sh) is tuple and len(sh) >= 1
-    kind = sh[0] if ok else None
+    kind = sh[0] if ok and type(sh[0]) is str else None
     if kind == "single":
         ok = (len(sh) == 4 and isinstance(sh[1], str) and _is_int(sh[2])
               and (sh[3] is None or isinstance(sh[3], str)))
     elif kind == "named":
-        from jax.sharding import PartitionSpec
-
         ok = len(sh) == 8
         if ok:
             _, platform, mesh_shape, axis_names, ids, spec, memory_kind, _axis_types = sh
@@ -354,7 +355,7 @@ def _check_sharding_meta(sh: Any) -> None:
                   and all(isinstance(n, str) for n in axis_names) and len(set(axis_names)) == len(axis_names)
                   and type(ids) is tuple and all(_is_int(i) for i in ids)
                   and len(ids) == math.prod(mesh_shape) and len(set(ids)) == len(ids)
-                  and isinstance(spec, PartitionSpec)
+                  and isinstance(spec, jax.sharding.PartitionSpec)
                   and (memory_kind is None or isinstance(memory_kind, str)))
     elif kind == "other":
         ok = len(sh) == 2 and isinstance(sh[1], str)
@@ -540,7 +541,8 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     assembled with one copy; "preserve" places each shard on its device (no copy on CPU when
     aligned).
     """
-    if not isinstance(meta, tuple) or len(meta) != len(ArrayMeta._fields) or meta[0] != FORMAT_VERSION:
+    if (not isinstance(meta, tuple) or len(meta) != len(ArrayMeta._fields) or type(meta[0]) is not int
+            or meta[0] != FORMAT_VERSION):
         raise UnsupportedArrayError(
             f"Unsupported jaxtransport array format {meta[0] if isinstance(meta, tuple) and meta else meta!r}: "
             "sender and receiver run different jaxtransport versions."

@@ -246,8 +246,9 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
     Every array's metadata is checked against its buffers before anything is allocated: a
     payload that does not fit (or ``data`` without all of its ``buffers``) raises
     :class:`CorruptTransferError` naming what is wrong. A damaged pickle stream raises what
-    ``pickle.loads`` raises. Like any unpickling, ``loads`` runs code named by ``data``: only
-    load data from a peer you trust.
+    ``pickle.loads`` raises. Like any unpickling, ``loads`` runs code named by ``data`` (and
+    CPython's unpickler allocates whatever a damaged length field in ``data`` declares): only
+    load data from a peer you trust, over a channel that detects corruption.
     """
     if placement:
         from . import _codec

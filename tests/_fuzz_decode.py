@@ -16,9 +16,9 @@ a pytree of several arrays), each mutated three ways:
 
 The oracle (independent of jaxtransport's validator):
 
-- A capture unpickler replays the same pickle with ``_rebuild_array`` (the wire format's
-  rebuild function) replaced by a recorder: it yields the exact (meta, buffers) each array
-  decode receives. A reference decoder (``reference`` below: a boolean coverage mask, not
+- ``capture`` replays the same pickle through ``pickle.loads`` with ``_rebuild_array`` (the
+  wire format's rebuild function) swapped for a recorder: it yields the exact (meta, buffers)
+  each array decode receives. A reference decoder (``reference`` below: a boolean coverage mask, not
   jaxtransport's interval arithmetic) says what each one legitimately describes, or that it
   describes nothing consistent.
 - If ``loads`` returns, every array decode in the stream ran, so every recorded call must be
@@ -33,19 +33,25 @@ The oracle (independent of jaxtransport's validator):
   be refused by jaxtransport with its own error.
 - Memory: tracemalloc's peak during ``loads`` (numpy's allocations are traced) stays within the
   bytes of the buffers plus a small slack: nothing is reserved for sizes the buffers cannot fill.
-  The address space is also capped so that a pickle opcode asking for a huge memo fails fast.
+
+CPython's own unpickler, given a damaged length or memo-index field, allocates what the field
+says before it notices the stream is short (BINBYTES, BYTEARRAY8, ...: gigabytes, and on 3.11
+a failed BYTEARRAY8 leaves a dangling buffer that crashes the next garbage collection) or grows
+its memo to the index (LONG_BINPUT). Those streams never reach jaxtransport's code and are left
+out (``unpickler_hazard``, counted in the report); the address space is capped as well, so one
+that slips through fails with MemoryError instead of touching gigabytes.
 """
 
 from __future__ import annotations
 
 import collections
-import io
 import json
 import math
 import os
 import pickle
 import pickletools
 import random
+import re
 import resource
 import sys
 import time
@@ -71,6 +77,7 @@ DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"
           "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu", "float4_e2m1fn"]
 DTYPES = [d for d in DTYPES if hasattr(ml_dtypes, d) or hasattr(np, d)]
 ARRAY_DTYPES = {np.dtype(jnp.dtype(d)) for d in DTYPES}
+LEGACY_PRNG_TAGS = {"fry": "threefry2x32", "rbg": "rbg", "urbg": "unsafe_rbg"}
 CANONICALIZED = {np.dtype(jnp.dtype(d)) for d in DTYPES if d == "bool" or d.endswith(("int2", "int4"))
                  or d == "float4_e2m1fn"}
 ODD_DTYPES = ["V4", "O", ">f4", "S3", "U2", "f4,i4", "(2,)f4", "M8[s]", "float0", "nope", "", 3,
@@ -137,31 +144,28 @@ class _Recorded:
         self.index = index
 
 
-class CaptureUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, buffers: list):
-        super().__init__(io.BytesIO(data), buffers=buffers)
-        self.calls: list = []
-
-    def find_class(self, module, name):
-        if (module, name) == REBUILD:
-            calls = self.calls  # not self: no reference cycle through the memo
-
-            def record(meta, *raw):
-                calls.append((meta, raw))
-                return _Recorded(len(calls) - 1)
-            return record
-        return super().find_class(module, name)
-
-
 def capture(data: bytes, buffers: list) -> tuple[list, str | None]:
-    u = CaptureUnpickler(data, buffers)
+    """Replays ``pickle.loads(data, buffers=buffers)`` - the very parser ``jt.loads`` uses (a
+    file-based Unpickler treats damaged frames differently) - with the rebuild function swapped
+    for a recorder for the duration."""
+    calls: list = []
+
+    def record(meta, *raw):
+        calls.append((meta, raw))
+        return _Recorded(len(calls) - 1)
+
+    record.__module__, record.__qualname__ = REBUILD
+    module = sys.modules[REBUILD[0]]
+    setattr(module, REBUILD[1], record)
     try:
-        u.load()
+        pickle.loads(data, buffers=buffers)
     except Exception as e:  # noqa: BLE001 - any failure of the stream itself (not kept)
         failed = type(e).__name__
     else:
         failed = None
-    return u.calls, failed
+    finally:
+        setattr(module, REBUILD[1], _rebuild_array)
+    return calls, failed
 
 
 def remake(calls_meta: list, calls_raw: list) -> tuple[bytes, list]:
@@ -205,7 +209,7 @@ def nbytes(b) -> int | None:
 
 def reference(meta, raw, sender_sharding_meta) -> dict | str:
     """What (meta, raw) legitimately describes: a dict, or a string saying why nothing."""
-    if type(meta) is not tuple or len(meta) != 7 or meta[0] != 1:
+    if type(meta) is not tuple or len(meta) != 7 or type(meta[0]) is not int or meta[0] != 1:
         return "format"
     _, name, shape, weak, impl, sharding, indices = meta
     if not isinstance(name, str):
@@ -255,13 +259,23 @@ def reference(meta, raw, sender_sharding_meta) -> dict | str:
             return "not covered"
     data = out.view(dtype).reshape(shape)
     if impl is not None:
-        try:
-            key = jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=impl)
-        except Exception:
+        key = None
+        # A name, or the short tag JAX < 0.4.36 printed (which receivers accept too).
+        for name in (impl, LEGACY_PRNG_TAGS.get(impl)):
+            try:
+                key = jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=name)
+                break
+            except Exception:  # noqa: BLE001
+                continue
+        if key is None:
             return "prng impl"
         impl = str(jax.random.key_impl(key))
+    try:
+        same = bool(sharding == sender_sharding_meta)
+    except Exception:  # noqa: BLE001 - an array inside: not the sender's
+        same = False
     return dict(dtype=dtype, shape=shape, weak=weak, impl=impl, data=data,
-                sharding_same=sharding == sender_sharding_meta, sharding_meta=sharding)
+                sharding_same=same, sharding_meta=sharding)
 
 
 def bits(a) -> bytes:
@@ -289,12 +303,14 @@ def matches(y, ref: dict, placement: str, sender_sharding) -> str | None:
             return "weak_type"
     if np.dtype(y.dtype) != ref["dtype"] or tuple(y.shape) != ref["shape"]:
         return f"dtype/shape {y.dtype}{y.shape} != {ref['dtype']}{ref['shape']}"
-    expected = ref["data"]
+    expected = [bits(ref["data"])]
     if placement != "host" and ref["impl"] is None and ref["dtype"] in CANONICALIZED:
         # A description that puts non-canonical bit patterns in a bool or sub-byte array (no
-        # JAX sender does) gets what JAX makes of that host array on a device.
-        expected = np.asarray(jax.device_put(expected))
-    if bits(y) != bits(expected):
+        # JAX sender does) gets those bits or what JAX makes of them on a device (which differs
+        # between an aliased and a copied host buffer).
+        expected += [bits(jax.device_put(ref["data"])),
+                     bits(jax.device_put(np.array(ref["data"]), jax.devices()[0]))]
+    if bits(y) not in expected:
         return "values"
     if placement == "preserve" and ref["sharding_same"] and sender_sharding is not None:
         if ref["impl"] is None and y.sharding != sender_sharding:
@@ -448,7 +464,9 @@ def mutate_meta(meta: tuple, rng: random.Random):
     elif field == "indices":
         m[6] = mutate_indices(m[6], m[2], rng)
     else:
-        return rng.choice([m, m[:-1], m + [None], dict(enumerate(m)), None])
+        arrayed = list(m)
+        arrayed[rng.randrange(len(m))] = np.arange(rng.choice([1, 2]))  # an array where a scalar goes
+        return rng.choice([m, m[:-1], m + [None], dict(enumerate(m)), None, tuple(arrayed)])
     return tuple(m)
 
 
@@ -489,7 +507,10 @@ def unpickler_hazard(data: bytes) -> bool:
             if op.name in ("BYTEARRAY8", "LONG_BINPUT") and (op.name == "BYTEARRAY8" or arg > 1 << 16):
                 return True
     except Exception as e:  # noqa: BLE001 - a malformed stream: hazardous if it fails on those
-        return "bytearray8" in str(e)
+        # BINBYTES/BINBYTES8/BYTEARRAY8/BINUNICODE*: CPython allocates the declared length before
+        # it finds the stream too short (gigabytes for a damaged length field).
+        declared = re.search(r"expected (\d+) bytes in a", str(e))
+        return "bytearray8" in str(e) or (declared is not None and int(declared.group(1)) > 1 << 20)
     return False
 
 
