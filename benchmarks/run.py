@@ -431,7 +431,9 @@ def _rel(path: str) -> str:
     return os.path.relpath(path, os.path.dirname(HERE))
 
 
-QUICK_MINUTES = 8  # measured: --quick took 7.5 min on 2 cores (the full run: ~11 min)
+# Measured: --quick took 7.5 min on 2 idle cores and 17.5 min (1053 s) on 2 cores shared with
+# other jobs (load ~12); the published full run's parts add up to ~11 min, usercode aside.
+QUICK_MINUTES = 8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -446,7 +448,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true",
                    help="smaller sizes (up to 256 MiB) and fewer repetitions: about "
-                   f"{QUICK_MINUTES} minutes on 2 cores, against about 11 for the full run")
+                   f"{QUICK_MINUTES} minutes on 2 idle cores (twice that on a busy machine), "
+                   "against about 12 for the full run")
     p.add_argument("--only", action="append", choices=names, help="run only this (repeatable)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--publish", action="store_true",
