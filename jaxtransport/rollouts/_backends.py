@@ -245,10 +245,11 @@ def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | 
                shape: tuple, max_lag: int = 1) -> None:
     """A streaming actor (``--backend queue``): steps its environments continuously, puts each
     trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
-    the newest parameters the learner published (``params_q``) before each rollout. It runs at
-    most ``1 + max_lag`` rollouts with one parameter version, then waits for a newer one (so the
-    learner's data is at most ``max_lag`` updates old, and actors keep stepping while the
-    learner updates). ``None`` on ``params_q`` stops it."""
+    the newest parameters the learner published (``params_q``) before each rollout. It stays at
+    most ``max_lag`` rollouts ahead of the learner's updates (rollouts so far <= newest version
+    + max_lag, versions counting the learner's updates from 1), then waits for a newer version:
+    with ``max_lag=1`` each actor steps while the learner updates, and the learner's data is
+    one update old. ``None`` on ``params_q`` stops it."""
     import queue as _queue
 
     _warm_up(env, warm)
@@ -258,23 +259,21 @@ def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | 
     base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
     carry = worker.initial_carry(jax.random.fold_in(base, 0), envs)
     item = params_q.get()
-    n = used = 0
+    n = 0
     while item is not None:
         version, params = item
         while True:  # the newest parameters published so far; older ones are dropped
             try:
                 newer = params_q.get_nowait()
             except _queue.Empty:
-                if used <= max_lag:
+                if n < version + max_lag:
                     break
-                newer = params_q.get()  # this version is used up: wait for the next
+                newer = params_q.get()  # far enough ahead of the learner: wait for it
             if newer is None:
                 return
             version, params = newer
-            used = 0
         traj, carry, compute = worker.rollout(params, carry, jax.random.fold_in(base, n + 1), frame_size, steps)
         n += 1
-        used += 1
         traj_q.put((traj, carry, compute, version))
         del traj
         item = (version, params)
@@ -288,13 +287,14 @@ class QueueBackend(Backend):
     ``map(version, tasks)`` takes the next ``len(tasks)`` trajectories from the shared
     trajectory queue, whichever actors made them, and returns ``(trajectory, carry, compute_s,
     lag)`` with ``lag`` = versions between the parameters that produced it and ``version``
-    (the off-policy lag). The trajectory queue is bounded (one per actor): actors that outrun
-    the learner wait. ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
+    (the off-policy lag). Each actor stays at most ``max_lag`` rollouts ahead of the learner's
+    updates (0: on-policy, actors wait for each update; 1: actors step while the learner
+    updates, on data one update old). The trajectory queue is bounded (one per actor). ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
     ``"stock"`` the same code on ``multiprocessing`` (spawn).
     """
 
     def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
-                 seed: int = 0, shape: tuple | None = None):
+                 seed: int = 0, shape: tuple | None = None, max_lag: int = 0):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
 
@@ -315,7 +315,7 @@ class QueueBackend(Backend):
         try:
             with environ_overlay(env):
                 for i in range(workers):
-                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape),
+                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag),
                                     daemon=True, name=f"jaxtransport-rollouts-actor-{i}")
                     p.start()
                     self._procs.append(p)
@@ -407,7 +407,7 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
-         warm: tuple | None = None, timeout: float = 600.0, seed: int = 0) -> Backend:
+         warm: tuple | None = None, timeout: float = 600.0, seed: int = 0, max_lag: int = 0) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets Pool
     workers compile the rollout while they start. ``timeout``: seconds one iteration's tasks
     may take before ``map`` raises ``TimeoutError`` instead of waiting forever."""
@@ -422,7 +422,7 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     if backend == "ray":
         return RayBackend(workers, transport, address, timeout, warm)
     if backend == "queue":
-        return QueueBackend(workers, transport, warm, timeout, seed)
+        return QueueBackend(workers, transport, warm, timeout, seed, max_lag=max_lag)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)
