@@ -25,9 +25,18 @@ from jaxtransport import rollouts as demo
 
 PLOT_X = "param_mb"
 PLOT_XLABEL = "policy size (MiB of parameters broadcast per iteration)"
+PLOT_XFORMAT = "{:g} MiB"
 PLOT_Y = "env_steps_per_s"
-PLOT_YLABEL = "env steps/s"
+PLOT_YLABEL = "env steps/s (higher is better)"
 LIMIT_TRANSPORTS = ("compute+learner limit",)
+BASELINE = "stock"
+ANNOTATE = ("jaxtransport",)
+LABELS = {
+    "stock": "stock: multiprocessing.Pool (spawn) / Ray's default serialization",
+    "jaxtransport": "jaxtransport: jaxtransport.Pool / jaxtransport.ray",
+    "compute+learner limit": "compute + learner only (transport free: the limit)",
+}
+PLOT_TITLES = {"rollouts-pool": "Pool backend, 2 workers", "rollouts-ray": "Ray backend, 2 workers"}
 
 DEFAULT_MB = demo.Config().param_mb
 TARGETS = {"pool": 3.0, "ray": 2.0, "queue": 3.0}

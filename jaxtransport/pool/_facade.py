@@ -2,8 +2,9 @@
 
 What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
 
-- Functions, lambdas and closures travel with cloudpickle (``__main__``/notebook code works under
-  spawn). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
+- Functions, lambdas and closures travel with cloudpickle; ``__main__`` code keeps the stock
+  pool's module semantics (one namespace per worker shared by the initializer and every task:
+  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
   process that has JAX initialised and is refused. Workers start with
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's ``JAX_PLATFORMS`` and, on multi-GPU
   hosts, their own ``CUDA_VISIBLE_DEVICES``.
@@ -117,6 +118,15 @@ class Pool:
         free memory. When reached, a sender waits for receivers to drop arrays, then raises
         ShmCapacityError.
       devices_per_worker: GPUs per worker on multi-GPU hosts (default 1), assigned round-robin.
+      shm_reserve: bytes of shared memory to make ready while the workers start, so that the
+        first large transfers pay no page faults: an int ``n`` reserves one slot for an array of
+        up to ``n`` bytes in the parent (task arguments) and one in each worker (results); a
+        pair ``(arguments, results)`` sizes them apart (0 skips a side). Arrays up to twice
+        smaller use the same slot, larger ones grow it. Memory cost, held until the pool ends:
+        ``arguments + processes * results`` bytes, rounded up to the next size class (at most
+        25% more), allocated at once (a new 4 KiB page costs ~1 s/GiB to fault in, on threads
+        off your call's path). Within shm_capacity, else ValueError; a system without the
+        memory raises ShmCapacityError from the first call that needs memory.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received
@@ -136,6 +146,7 @@ class Pool:
         worker_env: dict | None = None,
         shm_capacity: int | None = None,
         devices_per_worker: int | None = None,
+        shm_reserve: int | tuple[int, int] | None = None,
     ):
         if start_method == "fork":
             raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
@@ -159,13 +170,29 @@ class Pool:
         if shm_capacity is not None and (not isinstance(shm_capacity, int) or shm_capacity <= 0):
             raise ValueError(f"shm_capacity must be a positive int (bytes) or None, got {shm_capacity!r}")
         _codec.check_placement(placement)
+        args_reserve, results_reserve = _reserve_sizes(shm_reserve)
+        capacity = shm_capacity or _shm.default_capacity()
+        for side, n in (("arguments", args_reserve), ("results", results_reserve)):
+            if n and _shm.size_class(n) > capacity:
+                raise ValueError(
+                    f"shm_reserve asks for {n} bytes ({_shm._fmt(n)}) for {side}, more than "
+                    f"shm_capacity={capacity} ({_shm._fmt(capacity)}) allows per process. Lower "
+                    "shm_reserve or raise shm_capacity."
+                )
         self._processes = processes
         self._state = _State(
             processes=processes, initializer=initializer, initargs=tuple(initargs),
             maxtasksperchild=maxtasksperchild, start_method=start_method,
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
-            shm_capacity=shm_capacity, devices_per_worker=devices_per_worker, tree_type=SharedTree,
+            shm_capacity=capacity, devices_per_worker=devices_per_worker, tree_type=SharedTree,
+            results_reserve=results_reserve,
         )
+        if args_reserve:
+            try:
+                self._state.arena.reserve(args_reserve)
+            except BaseException:
+                self._state.terminate()
+                raise
         self._finalizer = weakref.finalize(self, _terminate_unreferenced, self._state)
         self._finalizer.atexit = False  # at exit the atexit hook terminates it, silently
 
@@ -319,6 +346,19 @@ class Pool:
     def __reduce__(self):
         raise NotImplementedError(
             "pool objects cannot be passed between processes or pickled (as multiprocessing.Pool)")
+
+
+def _reserve_sizes(shm_reserve) -> tuple[int, int]:
+    """``Pool(shm_reserve=...)`` as (argument bytes, result bytes per worker)."""
+    if shm_reserve is None:
+        return 0, 0
+    pair = shm_reserve if isinstance(shm_reserve, tuple) else (shm_reserve, shm_reserve)
+    if len(pair) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pair):
+        raise ValueError(
+            "shm_reserve must be a non-negative int (bytes, for arguments and for each worker's "
+            f"results) or a pair (argument bytes, result bytes), got {shm_reserve!r}"
+        )
+    return pair
 
 
 def _feed_imap(state: _State, it: IMapIterator, func, source, chunksize: int) -> None:

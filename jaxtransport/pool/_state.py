@@ -85,10 +85,10 @@ def _signal_name(code: int) -> str:
 def _dumps_in_band(obj: Any) -> bytes:
     import io
 
-    from .._pickling import _Pickler
+    from .._usercode import Pickler
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5).dump(obj)
+    Pickler(f, protocol=5).dump(obj)
     return f.getvalue()
 
 
@@ -148,7 +148,8 @@ class _TreeRec:
 
 class _State:
     def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
-                 shm_threshold, placement, worker_env, shm_capacity, devices_per_worker, tree_type):
+                 shm_threshold, placement, worker_env, shm_capacity, devices_per_worker, tree_type,
+                 results_reserve: int = 0):
         self.ctx = multiprocessing.get_context(start_method)
         self.tree_type = tree_type  # SharedTree: what travels as a broadcast handle
         self.start_method = start_method
@@ -158,6 +159,7 @@ class _State:
         self.placement = placement
         self.worker_env_overrides = dict(worker_env or {})
         self.devices_per_worker = devices_per_worker
+        self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
         self.gpus = _procenv.gpu_ids()
         self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
@@ -200,6 +202,7 @@ class _State:
             "env": env, "parent_pid": os.getpid(), "threshold": self.threshold,
             "placement": self.placement, "capacity": self.arena.capacity,
             "initializer": self.init_blob, "maxtasks": self.maxtasks, "grace": _CAPACITY_GRACE_S,
+            "reserve": self.results_reserve,
         })
         from ._worker import worker_main
 
