@@ -204,7 +204,7 @@ class Producer:
         segs = self.arena.segments()
         if len(segs) > _MAX_LIVE_LISTED:
             return None
-        return (self.arena.segments_created, tuple(s.seg_id for s in segs))
+        return (self.arena.last_segment_id, tuple(s.seg_id for s in segs))
 
     def held(self) -> tuple[int, int, int]:
         """(slots not yet released, of which taken by a receiver, bytes)."""
