@@ -343,6 +343,12 @@ class Arena:
     def segment(self, seg_id: int) -> _Seg | None:
         return self._segs.get(seg_id)
 
+    @property
+    def last_segment_id(self) -> int:
+        """The newest segment id ever made (0: none). Ids are never reused, so this only grows
+        (unlike ``segments_created``, which a growth leaves unchanged)."""
+        return self._next_id - 1
+
     def segments(self) -> list[_Seg]:
         with self.cond:
             return list(self._segs.values())

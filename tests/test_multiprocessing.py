@@ -633,3 +633,26 @@ def test_receivers_unmap_segments_the_sender_dropped(no_fd_leak):
     finally:
         jmp.set_shm_capacity(None)
         q.close()
+
+
+def test_a_message_with_more_segments_than_one_packet_carries(monkeypatch, no_fd_leak):
+    """Large arrays get a segment each; a packet carries at most MAX_FDS fds (SCM_MAX_FD is
+    253): the rest travel in a bundle socket. Lowered here so that a small test crosses it."""
+    from jaxtransport.multiprocessing import _sharing
+
+    monkeypatch.setattr(_sharing, "MAX_FDS", 4)
+    arrays = [np.full((5 << 20) // 4, i, np.uint8) for i in range(11)]  # 1.25 MiB: one segment each
+    q = jmp.Queue(shm_threshold=THRESH)
+    q.put(arrays)
+    got = q.get(timeout=30)
+    assert [int(a[0]) for a in got] == list(range(11)) and all(a.nbytes == (5 << 20) // 4 for a in got)
+    del got
+    ctx = jmp.get_context("spawn")
+    p, q_in, q_out = make_echo(ctx, shm_threshold=THRESH)
+    try:
+        q_in.put(arrays)  # bundled here, unbundled in the child
+        back = q_out.get(timeout=60)
+        assert [int(a[-1]) for a in back] == list(range(11))
+    finally:
+        stop(p, q_in)
+        q.close(), q_in.close(), q_out.close()

@@ -279,17 +279,19 @@ def test_progress_bar_only_when_every_stream_is_a_terminal(monkeypatch):
         assert sum(line.startswith("iter ") for line in out.getvalue().splitlines()) == 2
 
 
-@pytest.mark.parametrize("transport", ["jaxtransport", "stock"])
-def test_cli_queue_backend_streams_and_reports_lag(transport):
+@pytest.mark.parametrize("transport,max_lag", [("jaxtransport", 1), ("stock", 0)])
+def test_cli_queue_backend_streams_and_reports_lag(transport, max_lag):
     """--backend queue: long-lived actors stream trajectories through a queue (the same code on
     jaxtransport.multiprocessing and on multiprocessing); each update reports its off-policy
-    lag, the table its run."""
-    proc = _cli(*TINY, "--backend", "queue", "--transport", transport)
+    lag (never more than --max-lag), the table its run."""
+    proc = _cli(*TINY, "--backend", "queue", "--transport", transport, "--max-lag", str(max_lag))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     assert f"| queue/{transport} |" in out, out
-    lags = re.findall(r"lag (\d+\.\d)", out)
-    assert len(lags) == 2 and all(float(x) >= 0 for x in lags), out
+    lags = [float(x) for x in re.findall(r"lag (\d+\.\d)", out)]
+    assert len(lags) == 2 and all(0 <= x <= max_lag for x in lags), out
+    if max_lag == 0:
+        assert lags == [0.0, 0.0], out
     assert len(_printed_returns(out)) == 2
 
 
@@ -309,6 +311,8 @@ def test_queue_backend_reports_a_dead_actor_instead_of_hanging():
 def test_cli_rejects_bad_flags():
     proc = _cli("--workers", "0")
     assert proc.returncode == 2 and "--workers must be >= 1" in proc.stderr
+    proc = _cli("--backend", "queue", "--max-lag", "-1")
+    assert proc.returncode == 2 and "--max-lag must be >= 0" in proc.stderr
     proc = _cli("--address", "127.0.0.1:6379")
     assert proc.returncode == 2 and "--backend ray" in proc.stderr
 

@@ -6,7 +6,7 @@ refers to as SCM_RIGHTS ancillary data. One packet is atomic: any number of proc
 get on the same socket without locks, and a process killed at any moment leaves neither half a
 message nor a held lock behind. The packet is a small pickle::
 
-    (MAGIC, producer, data | None, entries, segs, blob, live)
+    (MAGIC, producer, data | None, entries, segs, blob, live, bundled)
 
 - ``producer``: ``(pid, token)`` of the sending process (its slots' owner).
 - ``data``, ``entries``: what ``pool._wire`` made of the object: the pickle and the arrays set
@@ -15,6 +15,8 @@ message nor a held lock behind. The packet is a small pickle::
 - ``segs``: the segment id of each fd in the packet, in order.
 - ``blob``: when the pickle itself is larger than a packet may be, it travels in a slot too
   (``data`` is then None), so that every message stays one packet.
+- ``bundled``: a packet carries at most MAX_FDS fds; for a message naming more segments the
+  last fd is a socket with the remaining ``bundled`` fds in flight on it (nested SCM_RIGHTS).
 - ``live``: ``(epoch, ids)`` of the sender's segments (None when it has many): a receiver unmaps
   the segments it mapped that the sender has since dropped (at its capacity the Arena drops
   wholly free segments of other sizes), so receivers do not keep dropped memory alive.
@@ -202,7 +204,7 @@ class Producer:
         segs = self.arena.segments()
         if len(segs) > _MAX_LIVE_LISTED:
             return None
-        return (self.arena.segments_created, tuple(s.seg_id for s in segs))
+        return (self.arena.last_segment_id, tuple(s.seg_id for s in segs))
 
     def held(self) -> tuple[int, int, int]:
         """(slots not yet released, of which taken by a receiver, bytes)."""
@@ -254,18 +256,71 @@ def _locate(obj: Any, root: str):
 
 
 class Outgoing:
-    """A message ready to send: the packet and the fds it carries (owned by the arena)."""
+    """A message ready to send: the packet and the fds it carries (the arena's, plus ``owned``:
+    a bundle socket this message closes once sent or discarded)."""
 
-    __slots__ = ("packet", "fds", "handles")
+    __slots__ = ("packet", "fds", "handles", "owned")
 
-    def __init__(self, packet, fds, handles):
-        self.packet, self.fds, self.handles = packet, fds, handles
+    def __init__(self, packet, fds, handles, owned=()):
+        self.packet, self.fds, self.handles, self.owned = packet, fds, handles, list(owned)
+
+    def sent(self) -> None:
+        _close_all(self.owned)
+        self.owned = []
 
     def discard(self) -> None:
+        self.sent()
         p = producer()
         for h in self.handles:
             p.drop(h)
         self.handles = ()
+
+
+def _bundle(fds: list[int]) -> int:
+    """A socket holding ``fds`` in flight (SCM_RIGHTS, MAX_FDS at a time), its writing end
+    closed: one fd that stands for any number of them (Note [queue messages])."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        for i in range(0, len(fds), MAX_FDS):
+            part = fds[i : i + MAX_FDS]
+            a.sendmsg([b"f"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", part))])
+        return b.detach()
+    except BaseException:
+        b.close()
+        raise
+    finally:
+        a.close()
+
+
+def _unbundle(fd: int, count: int) -> list[int]:
+    """The ``count`` fds a bundle socket holds (closes the bundle; TransportError if short)."""
+    got: list[int] = []
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        _close_all([fd])
+        raise _garbage("the fd announced as a bundle is not a socket") from None
+    try:
+        sock.setblocking(False)
+        while len(got) < count:
+            try:
+                _, anc, flags, _ = sock.recvmsg(16, socket.CMSG_SPACE(MAX_FDS * 4 + 64))
+            except BlockingIOError:
+                break
+            n = len(got)
+            for level, typ, data in anc:
+                if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+                    got.extend(a)
+            if len(got) == n:
+                break
+    finally:
+        sock.close()
+    if len(got) != count:
+        _close_all(got)
+        raise _garbage(f"a bundle of {count} segment fds held {len(got)}")
+    return got
 
 
 def prepare(obj: Any, threshold: int, root: str):
@@ -300,23 +355,24 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             view[: len(data)] = np.frombuffer(data, np.uint8)
             data = None
         segs = sorted({h[0] for h in handles})
-        if len(segs) > MAX_FDS:
-            raise TransportError(
-                f"This message refers to {len(segs)} shared-memory segments; one message can carry "
-                f"at most {MAX_FDS} fds. Send it in parts, or stack its arrays into fewer, larger ones."
-            )
         fds = []
         for s in segs:
             seg = p.arena.segment(s)
             if seg is None or seg.fd is None:
                 raise ShmHandleError(f"segment {s} of this process's shared memory was closed while sending")
             fds.append(seg.fd)
-        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments()), protocol=5)
+        owned, bundled = [], 0
+        if len(fds) > MAX_FDS:  # more than one packet may carry: the rest travel in a bundle
+            bundled = len(fds) - (MAX_FDS - 1)
+            owned.append(_bundle(fds[MAX_FDS - 1 :]))
+            fds = fds[: MAX_FDS - 1] + owned
+        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled),
+                              protocol=5)
     except BaseException:
         for h in handles:
             p.drop(h)
         raise
-    return Outgoing(packet, fds, handles)
+    return Outgoing(packet, fds, handles, owned)
 
 
 def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
@@ -339,9 +395,11 @@ def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out.fds))] if out.fds else []
     if nowait:
         sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+        out.sent()
         return
     if timeout is None:
         sock.sendmsg([out.packet], anc)
+        out.sent()
         return
     import select
 
@@ -349,6 +407,7 @@ def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None
     while True:
         try:
             sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+            out.sent()
             return
         except BlockingIOError:
             left = deadline - time.monotonic()
@@ -492,14 +551,24 @@ def decode(packet: bytes, fds: list[int], placement: str) -> Any:
     closed, its slots released)."""
     try:
         rec = pickle.loads(packet)
-        magic, key, data, entries, segs, blob, live = rec
+        magic, key, data, entries, segs, blob, live, bundled = rec
         if magic != MAGIC:
             raise ValueError("bad magic")
         key = (int(key[0]), bytes(key[1]))
         segs = tuple(int(s) for s in segs)
+        bundled = int(bundled)
     except Exception as e:  # noqa: BLE001 - anything: the packet is garbage
         _close_all(fds)
         raise _garbage(f"{type(e).__name__}: {e}"[:300]) from None
+    if bundled:
+        if not fds:
+            raise _garbage("a bundle of fds was announced but none came")
+        try:
+            extra = _unbundle(fds[-1], bundled)
+        except BaseException:
+            _close_all(fds[:-1])
+            raise
+        fds = fds[:-1] + extra
     if len(segs) != len(fds):
         _close_all(fds)
         raise _garbage(f"{len(fds)} fds came with a message naming {len(segs)} segments")

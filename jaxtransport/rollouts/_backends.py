@@ -347,13 +347,14 @@ _READY = "ready"  # an actor's first message: started and compiled
 
 
 def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
-               shape: tuple, max_lag: int = 1) -> None:
+               shape: tuple, max_lag: int = 0) -> None:
     """A streaming actor (``--backend queue``): steps its environments continuously, puts each
     trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
-    the newest parameters the learner published (``params_q``) before each rollout. It runs at
-    most ``1 + max_lag`` rollouts with one parameter version, then waits for a newer one (so the
-    learner's data is at most ``max_lag`` updates old, and actors keep stepping while the
-    learner updates). ``None`` on ``params_q`` stops it."""
+    the newest parameters the learner published (``params_q``) before each rollout. It stays at
+    most ``max_lag`` rollouts ahead of the learner's updates (rollouts so far <= newest version
+    + max_lag, versions counting the learner's updates from 1), then waits for a newer version:
+    with ``max_lag=1`` each actor steps while the learner updates, and the learner's data is
+    one update old. ``None`` on ``params_q`` stops it."""
     import queue as _queue
 
     _warm_up(env, warm)
@@ -364,23 +365,21 @@ def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | 
     carry = worker.initial_carry(jax.random.fold_in(base, 0), envs)
     traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
     item = params_q.get()
-    n = used = 0
+    n = 0
     while item is not None:
         version, params = item
         while True:  # the newest parameters published so far; older ones are dropped
             try:
                 newer = params_q.get_nowait()
             except _queue.Empty:
-                if used <= max_lag:
+                if n < version + max_lag:
                     break
-                newer = params_q.get()  # this version is used up: wait for the next
+                newer = params_q.get()  # far enough ahead of the learner: wait for it
             if newer is None:
                 return
             version, params = newer
-            used = 0
         traj, carry, compute = worker.rollout(params, carry, jax.random.fold_in(base, n + 1), frame_size, steps)
         n += 1
-        used += 1
         traj_q.put((traj, carry, compute, version))
         del traj
         item = (version, params)
@@ -394,13 +393,14 @@ class QueueBackend(Backend):
     ``map(version, tasks)`` takes the next ``len(tasks)`` trajectories from the shared
     trajectory queue, whichever actors made them, and returns ``(trajectory, carry, compute_s,
     lag)`` with ``lag`` = versions between the parameters that produced it and ``version``
-    (the off-policy lag). The trajectory queue is bounded (one per actor): actors that outrun
-    the learner wait. ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
+    (the off-policy lag). Each actor stays at most ``max_lag`` rollouts ahead of the learner's
+    updates (0: on-policy, actors wait for each update; 1: actors step while the learner
+    updates, on data one update old). The trajectory queue is bounded (one per actor). ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
     ``"stock"`` the same code on ``multiprocessing`` (spawn).
     """
 
     def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
-                 seed: int = 0, shape: tuple | None = None):
+                 seed: int = 0, shape: tuple | None = None, max_lag: int = 0):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
 
@@ -421,7 +421,7 @@ class QueueBackend(Backend):
         try:
             with environ_overlay(env):
                 for i in range(workers):
-                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape),
+                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag),
                                     daemon=True, name=f"jaxtransport-rollouts-actor-{i}")
                     p.start()
                     self._procs.append(p)
@@ -526,12 +526,13 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
          warm: tuple | None = None, timeout: float = 600.0,
-         session: RaySession | None = None, seed: int = 0) -> Backend:
+         session: RaySession | None = None, seed: int = 0, max_lag: int = 0) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
     before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray
     connection to run on (``--backend ray``; default: the backend starts its own). ``seed``:
-    the streaming actors' environment seeds (``--backend queue``)."""
+    the streaming actors' environment seeds, ``max_lag``: how many rollouts each may run ahead
+    of the learner's updates (``--backend queue``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if transport not in TRANSPORTS:
@@ -543,7 +544,7 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     if backend == "ray":
         return RayBackend(workers, transport, address, timeout, warm, session=session)
     if backend == "queue":
-        return QueueBackend(workers, transport, warm, timeout, seed)
+        return QueueBackend(workers, transport, warm, timeout, seed, max_lag=max_lag)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)

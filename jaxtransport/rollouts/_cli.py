@@ -36,6 +36,7 @@ class Config:
     seed: int = 0
     warmup: int = 1
     task_timeout: float = 600.0
+    max_lag: int = 0
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -47,6 +48,8 @@ class Config:
             raise ValueError(f"--param-mb must be > 0, got {self.param_mb!r}")
         if not self.task_timeout > 0:
             raise ValueError(f"--task-timeout must be > 0 seconds, got {self.task_timeout!r}")
+        if self.max_lag < 0:
+            raise ValueError(f"--max-lag must be >= 0, got {self.max_lag!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup!r}")
         if self.backend not in backends.BACKENDS:
@@ -135,7 +138,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
           "the rollout in each, and the learner here ...", file=out, flush=True)
     with backends.make(cfg.backend, transport, cfg.workers, address=cfg.address,
                        warm=warm, timeout=cfg.task_timeout, session=session,
-                       seed=cfg.seed) as be:
+                       seed=cfg.seed, max_lag=cfg.max_lag) as be:
         # The workers start and compile in the background while the learner compiles here.
         worker.warm_up_learner(
             params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
@@ -238,6 +241,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="leading iterations left out of the throughput table (compilation, "
                    "worker start-up); they still train")
+    p.add_argument("--max-lag", type=int, default=d.max_lag,
+                   help="--backend queue: how many rollouts each actor may run ahead of the "
+                   "learner's updates (0: on-policy; 1: actors step while the learner updates, "
+                   "on data one update old, which this REINFORCE learner, without importance "
+                   "correction, learns from less reliably)")
     p.add_argument("--task-timeout", type=float, default=d.task_timeout,
                    help="seconds an iteration's rollout tasks may take before the demo stops "
                    "with an error instead of waiting on a dead or hung worker")
@@ -250,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend, address=args.address, workers=args.workers,
         iterations=args.iterations, envs=args.envs, steps=args.steps,
         frame_size=args.frame_size, param_mb=args.param_mb, hidden=args.hidden, lr=args.lr,
-        table_lr=args.table_lr, task_timeout=args.task_timeout,
+        table_lr=args.table_lr, task_timeout=args.task_timeout, max_lag=args.max_lag,
         seed=args.seed, warmup=args.warmup,
     )
     try:
