@@ -50,6 +50,15 @@ FULL_SIZES = [KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB]
 QUICK_SIZES = [KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 TRANSPORTS = ("ray-default", "jaxtransport", "numpy")
 
+BASELINE = "ray-default"
+ANNOTATE = ("jaxtransport",)
+LABELS = {
+    "ray-default": "ray-default: Ray's own serialization of a jax.Array (JAX's pickle)",
+    "jaxtransport": "jaxtransport.ray (registered in the driver and the workers)",
+    "numpy": "numpy: the same bytes as a numpy array (Ray's zero-copy path, the ceiling)",
+}
+PLOT_TITLES = {"argument": "a task argument", "result": "a task result"}
+
 _cache: dict[tuple, Any] = {}
 
 

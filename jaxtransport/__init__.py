@@ -15,6 +15,8 @@ _PUBLIC = {
     "PLACEMENTS": "._codec",
     "PlacementFallbackWarning": "._codec",
     "ArrayDeletedError": "._errors",
+    "BrokenExecutorError": "._errors",
+    "CorruptTransferError": "._errors",
     "DtypeUnavailableError": "._errors",
     "PlacementError": "._errors",
     "PoolStateError": "._errors",
@@ -31,6 +33,8 @@ _PUBLIC = {
     "register": "._pickling",
     "unregister": "._pickling",
     "check_transportable": "._tracers",
+    "Executor": ".pool",
+    "get_reusable_executor": ".pool",
     "Pool": ".pool",
     "SharedTree": ".pool",
 }
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
     from ._codec import PLACEMENTS as PLACEMENTS
     from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
     from ._errors import ArrayDeletedError as ArrayDeletedError
+    from ._errors import BrokenExecutorError as BrokenExecutorError
+    from ._errors import CorruptTransferError as CorruptTransferError
     from ._errors import DtypeUnavailableError as DtypeUnavailableError
     from ._errors import PlacementError as PlacementError
     from ._errors import PoolStateError as PoolStateError
@@ -55,7 +61,9 @@ if TYPE_CHECKING:
     from ._pickling import register as register
     from ._pickling import unregister as unregister
     from ._tracers import check_transportable as check_transportable
+    from .pool import Executor as Executor
     from .pool import Pool as Pool
+    from .pool import get_reusable_executor as get_reusable_executor
     from .pool import SharedTree as SharedTree
 
 
@@ -74,10 +82,23 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # jaxtransport.multiprocessing imports on first use (it imports only; it registers nothing).
+    if name == "multiprocessing":
+        import importlib
+
+        return importlib.import_module(".multiprocessing", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "PLACEMENTS",
     "ArrayDeletedError",
+    "BrokenExecutorError",
+    "CorruptTransferError",
     "DtypeUnavailableError",
+    "Executor",
     "PlacementError",
     "PlacementFallbackWarning",
     "Pool",
@@ -92,6 +113,7 @@ __all__ = [
     "WorkerLostError",
     "check_transportable",
     "dumps",
+    "get_reusable_executor",
     "is_registered",
     "loads",
     "register",

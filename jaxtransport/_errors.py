@@ -14,6 +14,7 @@ __all__ = [
     "TransportError",
     "ArrayDeletedError",
     "UnsupportedArrayError",
+    "CorruptTransferError",
     "DtypeUnavailableError",
     "PlacementError",
     "WorkerLostError",
@@ -119,6 +120,19 @@ class UnsupportedArrayError(TransportError, TypeError):
     """An array that cannot be transported (for example one spanning other hosts' devices)."""
 
 
+class CorruptTransferError(TransportError, ValueError):
+    """A received array's description does not fit the data that arrived with it.
+
+    The metadata of every array (dtype, shape, shard indices, sharding, PRNG implementation) is
+    checked against its buffers before anything is allocated: a dtype no JAX array can have,
+    negative or absurd dimensions, shard indices outside the shape, overlapping or not covering
+    it, a buffer whose size is not its shard's, missing or extra buffers. The message names what
+    is wrong. Raised instead of returning an array that is partly uninitialised memory, or
+    reserving memory the buffers cannot fill. Usually a bug or a damaged channel between the two
+    processes (or two jaxtransport versions that disagree); the data is not usable.
+    """
+
+
 class DtypeUnavailableError(TransportError, TypeError):
     """The receiver cannot represent the dtype bit-exactly (e.g. float64 with x64 disabled)."""
 
@@ -146,6 +160,12 @@ class WorkerLostError(TransportError, _broken_process_pool()):
     keeps running other tasks; if workers keep dying before they are ready (a crashing
     initializer, a broken environment) the pool reports itself broken with this error.
     """
+
+
+class BrokenExecutorError(TransportError, _broken_process_pool()):
+    """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
+    initializer failed): no call can run. A ``concurrent.futures.process.BrokenProcessPool``,
+    as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause."""
 
 
 class PoolStateError(TransportError, ValueError):

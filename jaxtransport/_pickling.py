@@ -18,6 +18,7 @@ import contextvars
 import copyreg
 import io
 import pickle
+import pickletools
 import sys
 import threading
 from typing import Any, Callable
@@ -137,6 +138,12 @@ def register(placement: str = "device") -> None:
     array type, and a refusing reducer for every Tracer type defined now. ``placement`` is how
     this process materializes arrays it unpickles ("device", "host" or "preserve").
     Idempotent: calling it again only updates the placement. Undo with :func:`unregister`.
+
+    A Tracer then raises :class:`TracerTransportError` wherever it is pickled - which, for a
+    stock ``multiprocessing.Queue``, is its background feeder thread: ``q.put(tracer)`` returns
+    normally, the error is printed from that thread and the item is dropped (the consumer never
+    receives it). Call :func:`check_transportable` on the object before ``q.put`` to fail at the
+    call site, with the tracer's key path.
     """
     global _default_placement
     from . import _codec
@@ -235,6 +242,12 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
     ``placement`` ("device", "host", "preserve") defaults to the one given to ``register()``,
     else "device". On CPU the arrays alias ``buffers`` where they are 64-byte aligned (no
     copy): do not modify or reuse those buffers while the arrays live.
+
+    Every array's metadata is checked against its buffers before anything is allocated: a
+    payload that does not fit (or ``data`` without all of its ``buffers``) raises
+    :class:`CorruptTransferError` naming what is wrong. A damaged pickle stream raises what
+    ``pickle.loads`` raises. Like any unpickling, ``loads`` runs code named by ``data``: only
+    load data from a peer you trust.
     """
     if placement:
         from . import _codec
@@ -243,5 +256,30 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
     token = _placement_override.set(placement or None)
     try:
         return pickle.loads(data, buffers=buffers)
+    except pickle.UnpicklingError as e:
+        missing = _missing_buffers(data, buffers)
+        if missing is not None:
+            raise missing from e
+        raise
     finally:
         _placement_override.reset(token)
+
+
+def _missing_buffers(data: Any, buffers: Any) -> _errors.CorruptTransferError | None:
+    """The error to raise when ``data`` refers to more out-of-band buffers than were passed
+    (pickle only says "not enough out-of-band buffers"); None when that is not what happened.
+    Runs on the error path only: it walks the pickle's opcodes."""
+    try:
+        wanted = sum(1 for op, _, _ in pickletools.genops(data) if op.name == "NEXT_BUFFER")
+        given = len(buffers) if buffers is not None else 0
+    except Exception:
+        return None
+    if wanted <= given:
+        return None
+    return _errors.CorruptTransferError(
+        f"jaxtransport.loads: the data refers to {wanted} out-of-band buffers but "
+        f"{given} {'was' if given == 1 else 'were'} passed. Array data travels outside the "
+        "pickle: pass the buffers that jaxtransport.dumps returned along with the data, in the "
+        "same order: data, buffers = jaxtransport.dumps(obj); ...; "
+        "jaxtransport.loads(data, buffers)."
+    )

@@ -678,14 +678,9 @@ def collect_deferred() -> None:
 
     if "jax" not in sys.modules:
         return
-    try:
-        from jax._src.lib import _jax
+    from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 
-        _jax.collect_garbage()
-    except Exception:  # pragma: no cover - layout differs in this jaxlib: gc does it too
-        import gc
-
-        gc.collect(0)
+    collect_jax_garbage()
 
 
 def _on_holder_dead(pending, registry, addr, release) -> None:
@@ -776,6 +771,27 @@ class Mapper:
             os.close(m.fd)
             m.fd = None
         return m
+
+    def adopt(self, seg_id: int, fd: int) -> None:
+        """Take ownership of ``fd``, an fd of segment ``seg_id`` that arrived with a message
+        (SCM_RIGHTS), and keep it only if this segment is new here: a known (cached) or
+        forgotten segment's duplicate is closed at once, so at most one fd per segment is ever
+        open, and only until the segment is first mapped. Raises ShmHandleError (fd closed) for
+        something that is not a segment of a plausible size."""
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            size = -1
+        if seg_id in self.segs or seg_id in self.forgotten or size <= 0:
+            os.close(fd)
+            if size <= 0:
+                raise ShmHandleError(f"Bad shared-memory fd for segment {seg_id} of {self.label}: not a memory segment")
+            return
+        self.segs[seg_id] = _Mapped(size, fd)
+
+    def mapping(self, seg_id: int) -> mmap.mmap:
+        """The mapping of segment ``seg_id`` (mapped now if it is not yet). Raises ShmHandleError."""
+        return self._segment(seg_id).mm
 
     def holder(self, handle: Handle, release: Any = None):
         """A fresh ctypes array over the slot ``handle`` names. See Note [slot lifetime].

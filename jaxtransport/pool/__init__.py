@@ -7,6 +7,7 @@ The package's files follow the engine's parts (see ``_facade`` for the overview)
 - ``_wire``    -- what travels through the pipes (pickles + shared-memory entries)
 - ``_worker``  -- the worker process's loop
 - ``_results`` -- ``AsyncResult``/``MapResult``/``IMapIterator``
+- ``_executor`` -- ``Executor``, the ``concurrent.futures`` face over a ``Pool``
 """
 
 import importlib
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING
 # Imported on first access (PEP 562): a worker process imports ``jaxtransport.pool._worker``
 # without the parent's machinery (and without JAX).
 _PUBLIC = {
+    "Executor": "._executor",
+    "get_reusable_executor": "._executor",
+    "shutdown_reusable_executor": "._executor",
     "Pool": "._facade",
     "SharedTree": "._facade",
     "AsyncResult": "._results",
@@ -23,6 +27,9 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
+    from ._executor import Executor as Executor
+    from ._executor import get_reusable_executor as get_reusable_executor
+    from ._executor import shutdown_reusable_executor as shutdown_reusable_executor
     from ._facade import Pool as Pool
     from ._facade import SharedTree as SharedTree
     from ._results import AsyncResult as AsyncResult
@@ -39,4 +46,13 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
+__all__ = [
+    "AsyncResult",
+    "Executor",
+    "IMapIterator",
+    "MapResult",
+    "Pool",
+    "SharedTree",
+    "get_reusable_executor",
+    "shutdown_reusable_executor",
+]

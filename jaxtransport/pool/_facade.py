@@ -2,8 +2,9 @@
 
 What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
 
-- Functions, lambdas and closures travel with cloudpickle (``__main__``/notebook code works under
-  spawn). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
+- Functions, lambdas and closures travel with cloudpickle; ``__main__`` code keeps the stock
+  pool's module semantics (one namespace per worker shared by the initializer and every task:
+  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
   process that has JAX initialised and is refused. Workers start with
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's ``JAX_PLATFORMS`` and, on multi-GPU
   hosts, their own ``CUDA_VISIBLE_DEVICES``.
@@ -33,7 +34,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
-from .. import _codec, _shm
+from .. import _codec, _procenv, _shm
 from . import _wire
 from .._errors import PoolStateError
 from ._results import AsyncResult, IMapIterator, MapResult
@@ -148,12 +149,7 @@ class Pool:
         shm_reserve: int | tuple[int, int] | None = None,
     ):
         if start_method == "fork":
-            raise ValueError(
-                "jaxtransport.Pool refuses start_method='fork': JAX runs threads (XLA's thread "
-                "pools, the runtime) that fork() does not copy, so a forked child that touches JAX "
-                "can deadlock. Use start_method='spawn' (the default) or 'forkserver'; functions "
-                "defined in __main__ or a notebook still work (they travel with cloudpickle)."
-            )
+            raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         if start_method not in multiprocessing.get_all_start_methods():

@@ -85,10 +85,10 @@ def _signal_name(code: int) -> str:
 def _dumps_in_band(obj: Any) -> bytes:
     import io
 
-    from .._pickling import _Pickler
+    from .._usercode import Pickler
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5).dump(obj)
+    Pickler(f, protocol=5).dump(obj)
     return f.getvalue()
 
 

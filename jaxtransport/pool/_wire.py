@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import _errors, _pickling
+from .. import _errors, _pickling, _usercode
 from .._errors import ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
@@ -123,8 +123,9 @@ def _routes(tree_type: type | None) -> dict:
     return _ROUTES
 
 
-class _Encoder(_pickling._Pickler):
-    """cloudpickle (lambdas, closures, ``__main__`` code by value) + jaxtransport reducers,
+class _Encoder(_usercode.Pickler):
+    """cloudpickle (lambdas, closures; ``__main__`` code as Note [user code] in ``_usercode``
+    says) + jaxtransport reducers,
     routed through a :class:`_Router` in ``reducer_override`` (which pickle does not call for
     exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
 
@@ -401,7 +402,7 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
     try:
         return _codec.decode(meta, bufs, placement)
     except Exception as e:
-        if isinstance(e, _codec.UnsupportedArrayError) and "Corrupt transfer" in str(e):
+        if isinstance(e, _codec.CorruptTransferError):
             raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
         raise
 
