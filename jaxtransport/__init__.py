@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
+    if name == "multiprocessing":  # the subpackage, imported on first use (it registers nothing)
+        return importlib.import_module(".multiprocessing", __name__)
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -81,15 +83,6 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    # jaxtransport.multiprocessing imports on first use (it imports only; it registers nothing).
-    if name == "multiprocessing":
-        import importlib
-
-        return importlib.import_module(".multiprocessing", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
