@@ -20,7 +20,7 @@ Each row has the median, min and max over its repetitions (``seconds`` is the me
 ``ratio``: the baseline's median / this row's median (higher is better), the baseline being
 ``ray (numpy)`` for first/steady rows and ``multiprocessing.Pool`` for start-up rows.
 
-    python -m benchmarks --only first_call          # writes benchmarks/results/first_call.*
+    python -m benchmarks --only first_call [--publish]   # scratch/ or benchmarks/results/
     python -m benchmarks.first_call [--quick] [--reps N] [--max-mib M] [--baseline-max-mib M]
 """
 
@@ -297,9 +297,14 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 
 PLOT_X = "size_bytes"
-PLOT_Y = "seconds"
-PLOT_YLABEL = "seconds (median)"
 LIMIT_TRANSPORTS = ()
+BASELINE = RAY  # the speedup panel: Ray's time / this transport's time, same run
+PLOT_TITLES = {
+    "first_argument": "first argument on a just-started pool / cluster",
+    "first_result": "first result on a just-started pool / cluster",
+    "steady_argument": "the same argument, repeated (steady state)",
+    "steady_result": "the same result, repeated (steady state)",
+}
 
 
 def main(argv=None) -> None:

@@ -132,9 +132,11 @@ def _fmt(n: int) -> str:
 # ``posix_fallocate`` (the reservation) then ``mmap(MAP_POPULATE)``. Measured on a 2-core VM
 # (1 GiB, medians of noisy runs): fallocate + MAP_POPULATE + copy 1.4-1.9 s; POPULATE_WRITE +
 # copy 1.1-1.8 s; no population, the copy faulting the pages 1.4-1.6 s (and without fallocate
-# that would be a SIGBUS on a full system); population or copy split across two threads 1.2-4.3 s
-# (page faults on one file contend), and so was populating 8 MiB ahead of a copy in a helper
-# thread. Every fresh 4 KiB page costs one fault (shmem gets transparent huge pages only where
+# that would be a SIGBUS on a full system); the copy split across two threads 2.4-4.3 s (page
+# faults on one file contend), and so was populating 8 MiB ahead of the copy in a helper thread;
+# population alone split across two threads was ~15% faster than one at 256 MiB and 1 GiB when
+# the machine was not saturated (and no better when it was), so large segments do that.
+# Every fresh 4 KiB page costs one fault (shmem gets transparent huge pages only where
 # /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them: segments ask with
 # MADV_HUGEPAGE, which the common "never" ignores), so the arena avoids fresh pages: slots are
 # recycled, a smaller array may take a free slot of up to twice its size class, a larger one
@@ -192,17 +194,66 @@ def _ask_huge_pages(mm: mmap.mmap) -> None:
             pass
 
 
+_PARALLEL_MIN = 64 << 20  # below this one thread populates (thread start-up is not worth it)
+_libc_madvise = None
+
+
+def _madvise_fn():
+    """libc's madvise through ctypes, which releases the GIL (mmap.madvise does not)."""
+    global _libc_madvise
+    if _libc_madvise is None:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _libc_madvise = fn
+    return _libc_madvise
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover
+        return os.cpu_count() or 1
+
+
 def populate(mm: mmap.mmap, start: int, length: int) -> None:
     """Allocate and map the pages of ``mm[start:start + length]`` (MADV_POPULATE_WRITE): a page
-    the system cannot provide is a ShmCapacityError here, where a plain write would SIGBUS."""
+    the system cannot provide is a ShmCapacityError here, where a plain write would SIGBUS.
+    From 64 MiB on, up to 4 threads (one per core) populate a part each: on 2 cores this was
+    ~15% faster than one thread when the machine was not saturated."""
     if length <= 0:
         return
-    try:
-        mm.madvise(MADV_POPULATE_WRITE, start, length)
-    except OSError as e:
-        if e.errno in _NO_MEMORY:
-            raise _capacity_failure(length, e.strerror or str(e)) from None
-        raise
+    parts = min(_cores(), 4) if length >= _PARALLEL_MIN else 1
+    if parts <= 1:
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, start, length)
+        except OSError as e:
+            if e.errno in _NO_MEMORY:
+                raise _capacity_failure(length, e.strerror or str(e)) from None
+            raise
+        return
+    madvise = _madvise_fn()
+    base = _addr(mm) + start
+    step = -(-length // parts // PAGE) * PAGE
+    errors: list[int] = []
+
+    def run(off: int, n: int) -> None:
+        if madvise(base + off, n, MADV_POPULATE_WRITE) != 0:
+            errors.append(ctypes.get_errno())
+
+    chunks = [(off, min(step, length - off)) for off in range(0, length, step)]
+    threads = [threading.Thread(target=run, args=c, name="jaxtransport-shm-populate", daemon=True)
+               for c in chunks[1:]]
+    for t in threads:
+        t.start()
+    run(*chunks[0])
+    for t in threads:
+        t.join()
+    if errors:
+        err = errors[0]
+        if err in _NO_MEMORY:
+            raise _capacity_failure(length, os.strerror(err))
+        raise OSError(err, os.strerror(err))
 
 
 def _map_and_populate(fd: int, size: int, start: int = 0) -> mmap.mmap:

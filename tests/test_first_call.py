@@ -272,3 +272,33 @@ def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
         arena = p._state.arena
         assert arena.segments_grown >= 2
         assert arena.segments_created <= 2
+
+
+def test_large_segment_populated_in_parts_has_every_page():
+    size = 72 * MIB  # above the size populated by several threads
+    fd, mm = _shm.create_segment(size)
+    try:
+        assert allocated(fd) >= size
+    finally:
+        mm.close()
+        os.close(fd)
+    if _shm.populate_method() != "madvise":
+        return
+    code = textwrap.dedent(
+        """
+        import mmap, os
+        from jaxtransport import _shm
+        from jaxtransport._errors import ShmCapacityError
+        n = 80 << 20
+        fd = os.memfd_create("short", os.MFD_CLOEXEC)
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n)
+        os.ftruncate(fd, n // 2)  # the second half of the mapping has no file behind it
+        try:
+            _shm.populate(mm, 0, n)
+        except ShmCapacityError as e:
+            print("capacity error")
+        """
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0 and "capacity error" in proc.stdout, (proc.returncode, proc.stderr)
