@@ -7,6 +7,7 @@ process, and does not import Ray (``jaxtransport.ray`` does, when you import it)
 from ._codec import PLACEMENTS as PLACEMENTS
 from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
 from ._errors import ArrayDeletedError as ArrayDeletedError
+from ._errors import CorruptTransferError as CorruptTransferError
 from ._errors import DtypeUnavailableError as DtypeUnavailableError
 from ._errors import PlacementError as PlacementError
 from ._errors import PoolStateError as PoolStateError
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PLACEMENTS",
     "ArrayDeletedError",
+    "CorruptTransferError",
     "DtypeUnavailableError",
     "PlacementError",
     "PlacementFallbackWarning",

@@ -64,7 +64,7 @@ def test_close_join(bounded):
     p.close()
     p.join()
     assert all(float(r.get()[0]) == 2.0 for r in big)
-    assert p._state.workers == [] and not p._state.manager.is_alive() and not p._state.feeder.is_alive()
+    assert p._state.workers == [] and not p._state.manager.thread.is_alive()
     bounded(60)
 
 
