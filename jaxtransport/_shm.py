@@ -133,9 +133,13 @@ def free_memory() -> int:
     return min(avail, cg) if cg is not None else avail
 
 
-def default_capacity() -> int:
-    """Default per-sender cap on recycled shared memory: half the free memory, at least 256 MiB."""
-    return max(free_memory() // 2, 256 << 20)
+MIN_CAPACITY = 256 << 20
+
+
+def default_capacity(share: float = 1.0) -> int:
+    """Default cap on one sender's recycled shared memory: ``share`` of half the free memory
+    (the budget of a whole pool: its senders split it), at least MIN_CAPACITY."""
+    return max(int(free_memory() // 2 * share), MIN_CAPACITY)
 
 
 def _fmt(n: int) -> str:

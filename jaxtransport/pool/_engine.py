@@ -79,7 +79,10 @@ class Engine:
         self.devices_per_worker = devices_per_worker
         self.gpus = _procenv.gpu_ids()
         self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
-        self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
+        # Default shared memory: half the free memory for the pool as a whole, half of that for
+        # the parent (arguments, shared trees), the other half split among the workers (results).
+        self.worker_capacity = shm_capacity or _shm.default_capacity(0.5 / processes)
+        self.arena = _shm.Arena(shm_capacity or _shm.default_capacity(0.5), label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
         self.lock = threading.RLock()
@@ -129,7 +132,7 @@ class Engine:
                                    overrides=self.worker_env_overrides, gpus=self.gpus)
         config = {
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
-            "capacity": self.arena.capacity, "initializer": self.init_blob,
+            "capacity": self.worker_capacity, "initializer": self.init_blob,
             "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S,
         }
         return start_worker(self.ctx, start_method=self.start_method, index=index,

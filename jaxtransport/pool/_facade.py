@@ -60,8 +60,11 @@ class Pool:
         ``CUDA_VISIBLE_DEVICES`` on multi-GPU hosts); a value of None unsets a variable.
       shm_capacity: cap in bytes on the recycled shared memory of each sending process (the
         parent for arguments and shared trees, each worker for its results). Default: half the
-        free memory. When reached, a sender waits for receivers to drop arrays, then raises
-        ShmCapacityError.
+        free memory for the pool as a whole (a half of it for the parent, the other half split
+        among the workers; at least 256 MiB each). When reached, a sender waits for receivers
+        to drop arrays (while tasks are in flight), then raises ShmCapacityError: a clear error,
+        never the out-of-memory killer. ``imap`` submits only a bounded number of chunks ahead
+        of its consumer, so a slow consumer makes workers wait instead of filling it.
       devices_per_worker: GPUs per worker on multi-GPU hosts (default 1), assigned round-robin.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last

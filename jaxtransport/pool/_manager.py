@@ -209,10 +209,18 @@ class Manager:
             "new pool."
         ), cause=exc)
 
+    def on_started(self, w: WorkerRec, msg: _protocol.Started) -> None:
+        with self.engine.lock:
+            self.engine.scheduler.started(w, msg.chunk_id)
+
     def on_leaving(self, w: WorkerRec, msg: _protocol.Leaving) -> None:
         w.retiring = True
 
     def on_garbled(self, w: WorkerRec, msg: _protocol.Garbled) -> None:
+        # The worker exits after saying so, before it starts anything sent after the bad
+        # message: its in-flight chunks never started and run elsewhere.
+        for c in w.outstanding:
+            c.started = False
         self.retire(w, f"it received a malformed message from the parent ({msg.description})")
 
     HANDLERS = {
@@ -220,6 +228,7 @@ class Manager:
         _protocol.Release: on_release,
         _protocol.Forget: on_forget,
         _protocol.Ready: on_ready,
+        _protocol.Started: on_started,
         _protocol.Leaving: on_leaving,
         _protocol.Garbled: on_garbled,
     }
@@ -251,11 +260,7 @@ class Manager:
             w.dead = True
             if w in engine.workers:
                 engine.workers.remove(w)
-            lost = engine.scheduler.take_worker(w)
-            if w.ready and lost:
-                running, queued = lost[0], lost[1:]
-            else:  # it died before it could start any task: they all run elsewhere
-                running, queued = None, lost
+            running, queued = engine.scheduler.lost(w)  # those never started run elsewhere
             for chunk in queued:
                 engine.arena.transfer(chunk.enc.handles, w.key, chunk.key)
             engine.scheduler.requeue(queued)

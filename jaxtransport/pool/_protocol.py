@@ -14,6 +14,7 @@ parent -> worker                                  worker -> parent
 ``Release``     slots of the worker it dropped    ``Forget``    its segments the parent may unmap
 ``Forget``      segments the worker may unmap     ``Leaving``   it exits (maxtasksperchild)
 ``Stop``        exit now                          ``Garbled``   it received a malformed message
+                                                  ``Started``   it took a task it had waited for
 
 Entries (what a pickle's ``_entry(k)`` stands for) are records too: ``NpEntry``, ``JaxEntry``,
 ``RefEntry`` (a slot of the receiver's own arena) and ``TreeEntry``; a shared-memory handle is
@@ -27,12 +28,12 @@ from __future__ import annotations
 import pickle
 from typing import Any, NamedTuple
 
-from .._errors import CorruptTransferError
+from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import Handle
 
 __all__ = [
     "Task", "DefineTree", "DropTree", "Release", "Forget", "Stop",
-    "Ready", "Result", "Leaving", "Garbled", "ErrorReport",
+    "Ready", "Started", "Result", "Leaving", "Garbled", "ErrorReport",
     "NpEntry", "JaxEntry", "RefEntry", "TreeEntry",
     "TO_WORKER", "TO_PARENT", "dumps", "loads", "parse_entry", "parse_handles",
 ]
@@ -267,6 +268,20 @@ class Result(NamedTuple):
                           entries=_seq(m.entries, "entries"))
 
 
+class Started(NamedTuple):
+    """The worker began ``chunk_id`` after waiting for it (a task already waiting in the pipe
+    when the previous one finished is known to start with that one's Result): if the worker dies
+    now, that task was running; a task it never announced is run elsewhere."""
+
+    chunk_id: int
+    KIND = "started"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.chunk_id, "chunk id")
+        return m
+
+
 class Leaving(NamedTuple):
     KIND = "leaving"
 
@@ -290,7 +305,7 @@ class Garbled(NamedTuple):
 
 
 TO_WORKER = {c.KIND: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
-TO_PARENT = {c.KIND: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
+TO_PARENT = {c.KIND: c for c in (Ready, Started, Result, Release, Forget, Leaving, Garbled)}
 
 
 def dumps(msg: tuple) -> bytes:
@@ -314,4 +329,7 @@ def loads(raw: bytes, table: dict) -> tuple:
         raise _bad(f"unknown kind {msg[0]!r} (expected one of {sorted(table)})")
     if len(msg) - 1 != len(cls._fields):
         raise _bad(f"{msg[0]!r} needs {len(cls._fields)} fields, got {len(msg) - 1}")
-    return cls.check(cls._make(msg[1:]))
+    try:
+        return cls.check(cls._make(msg[1:]))
+    except ShmHandleError as e:
+        raise _bad(str(e)) from None

@@ -25,13 +25,14 @@ class Chunk:
     object it completes and its index there. ``key`` is its borrower name in the arena while
     it waits (its slots move to the worker that runs it)."""
 
-    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small")
+    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "started")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
         self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
         self.key = ("chunk", chunk_id)
         self.trees = enc.trees
         self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
+        self.started = False  # the worker it was sent to began it (see _protocol.Started)
 
 
 class Scheduler:
@@ -78,14 +79,34 @@ class Scheduler:
         return best
 
     @staticmethod
+    def started(w, chunk_id: int) -> None:
+        for c in w.outstanding:
+            if c.chunk_id == chunk_id:
+                c.started = True
+                return
+
+    @staticmethod
     def finished(w, chunk_id: int) -> Chunk | None:
         """Remove and return ``w``'s in-flight chunk ``chunk_id`` (None: not in flight, e.g.
-        already failed by terminate)."""
+        already failed by terminate). The next one in flight was waiting in the worker's pipe,
+        so the worker starts it now."""
         for i, c in enumerate(w.outstanding):
             if c.chunk_id == chunk_id:
                 del w.outstanding[i]
+                if w.outstanding:
+                    w.outstanding[0].started = True
                 return c
         return None
+
+    @staticmethod
+    def lost(w) -> tuple[Chunk | None, list[Chunk]]:
+        """A dead worker's chunks: (the one it was running, if it had started one; the rest,
+        which never started), removed from its books."""
+        lost = list(w.outstanding)
+        w.outstanding.clear()
+        if lost and lost[0].started:
+            return lost[0], lost[1:]
+        return None, lost
 
     @staticmethod
     def take_worker(w) -> list[Chunk]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -128,7 +129,22 @@ class _Encoder(_pickling._Pickler):
         r = self.route.get(type(obj))
         if r is not None:
             return r(obj)
+        if type(obj) is types.CodeType:
+            return _reduce_code(obj)
         return super().reducer_override(obj)
+
+
+def _reduce_code(code: types.CodeType):
+    """cloudpickle's reduction of a code object, keeping its file name (cloudpickle writes
+    ``<dynamic-code>``), so a worker's traceback names the file and line, and shows the source
+    line when the file is readable there, as multiprocessing.Pool's does."""
+    import cloudpickle
+
+    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # private: probe, else default
+    if reduce is None:
+        return NotImplemented
+    fn, args = reduce(code)
+    return fn, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
 
 
 class _Fallback(Exception):

@@ -160,8 +160,11 @@ class _Worker:
         except Exception:  # noqa: BLE001
             chunk_id = None
         if chunk_id is None:
+            # Whatever it carried is lost: say so and exit before starting anything sent after
+            # it (the parent reruns that elsewhere and replaces this worker).
+            self.flush_releases()
             self.send(P.Garbled(str(err)))
-            return
+            raise SystemExit(0)
         # Its slots were never held here: the parent releases them (every entry unheld).
         n = len(msg[3]) if len(msg) > 3 and isinstance(msg[3], (list, tuple)) else 0
         self.send(P.Result(chunk_id, False, _pack_error(err), [], [], list(range(n)), 0.0))
@@ -231,11 +234,14 @@ class _Worker:
             return
         self.send(self.protocol.Ready(True, None))
         done = 0
+        idle = True
         maxtasks = cfg["maxtasks"]
         while True:
             if self.backlog:
                 msg = self.backlog.pop(0)
             else:
+                if not self.conn.poll(0):
+                    idle = True  # nothing waiting: the next task is not implied by a Result
                 busy = self.mapper.pending or self.arena.has_forgotten()
                 msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
@@ -246,7 +252,11 @@ class _Worker:
             if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
+            if idle:
+                # It arrived while this worker waited: announce it (see _protocol.Started).
+                self.send(self.protocol.Started(msg.chunk_id))
             self.run_chunk(msg)
+            idle = False
             done += 1
             if maxtasks and done >= maxtasks:
                 import gc
