@@ -447,6 +447,7 @@ def decode(
             unheld.extend(range(len(parsed), len(entries)))
         parsed.clear()
         holders.clear()
+        holder = None  # noqa: F841 - the traceback keeps this frame: hold no slot in it
         raise
     resolved = []
     token = _pickling._placement_override.set(placement)
@@ -463,3 +464,4 @@ def decode(
         resolved.clear()  # the result refers to what it needs; a traceback must not hold slots
         holders.clear()
         parsed.clear()
+        rec = holder = None  # noqa: F841
