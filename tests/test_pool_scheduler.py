@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from types import SimpleNamespace
 
-from jaxtransport.pool._scheduler import PREFETCH_TINY, SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler
+from jaxtransport.pool._scheduler import SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler, prefetch_limit
 
 
 class FakeWorker:
@@ -44,12 +44,14 @@ def test_each_idle_worker_gets_one_chunk_and_nothing_waits_behind_a_busy_one():
 def test_tiny_tasks_are_prefetched_only_when_no_worker_is_idle():
     s = Scheduler()
     fast, slow = FakeWorker("fast", pace=TINY_TASK_S / 10), FakeWorker("slow", pace=5.0)
-    for i in range(20):
+    limit = prefetch_limit(fast.pace)
+    for i in range(limit + 10):
         s.add(chunk(i))
     got = names(s.assign([fast, slow]))
     assert got[:2] == [("fast", 0), ("slow", 1)]
     assert all(name == "fast" for name, _ in got[2:])  # never queued behind the slow one
-    assert len(fast.outstanding) == PREFETCH_TINY and len(slow.outstanding) == 1
+    assert len(fast.outstanding) == limit and len(slow.outstanding) == 1
+    assert len(s.pending) == 9
 
 
 def test_large_or_shared_memory_chunks_are_never_prefetched():

@@ -94,6 +94,7 @@ class Engine:
         self.early_deaths = 0
         self.tls = threading.local()
         self.space = threading.Condition(threading.Lock())  # imap feeding backpressure
+        self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)
         self.callbacks = CallbackRunner()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -237,8 +238,9 @@ class Engine:
             if result is not None:
                 self.callbacks.deliver(result, chunk.index, ok, value)
         finally:
-            with self.space:
-                self.space.notify_all()
+            if self.imap_feeders:
+                with self.space:
+                    self.space.notify_all()
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
         self.arena.release_all(chunk.key)

@@ -296,6 +296,8 @@ def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
     and not yet consumed (backpressure on both the workers and the results)."""
     index = 0
     limit = 2 * state.processes + 2
+    with state.space:
+        state.imap_feeders += 1
     try:
         for prep in preps:
             with state.space:
@@ -309,6 +311,9 @@ def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it._chunk_done(index, False, e)
         index += 1
+    finally:
+        with state.space:
+            state.imap_feeders -= 1
     it._set_length(index)
 
 

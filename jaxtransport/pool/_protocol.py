@@ -264,8 +264,10 @@ class Result(NamedTuple):
             raise _bad("result.ok must be a bool")
         if type(m.seconds) is not float:
             raise _bad("result.seconds must be a float")
-        return m._replace(releases=parse_handles(m.releases), unheld=_ints(m.unheld, "unheld entries"),
-                          entries=_seq(m.entries, "entries"))
+        _seq(m.entries, "entries")
+        if not m.releases and type(m.unheld) is list and not m.unheld:
+            return m  # the common case: nothing else to check
+        return m._replace(releases=parse_handles(m.releases), unheld=_ints(m.unheld, "unheld entries"))
 
 
 class Started(NamedTuple):

@@ -2,8 +2,8 @@
 
 A chunk goes to a worker only when that worker is idle (nothing in flight), so no chunk waits
 behind a long task while another worker could run it. The one exception keeps tiny tasks fast:
-a worker whose chunks take less than ``TINY_TASK_S`` (as it reports) may have up to
-``PREFETCH_TINY`` small messages in flight (no shared memory, under ``SMALL_MESSAGE``), and only
+a worker whose chunks take less than ``TINY_TASK_S`` (as it reports) may have about
+``PREFETCH_S`` of them (``prefetch_limit``) in flight as small messages (no shared memory, under ``SMALL_MESSAGE``), and only
 when no worker is idle; queueing a few tiny tasks behind one another costs little, and the pipe
 latency no longer idles the worker. No processes here: the scheduler works on any objects with
 ``outstanding`` (a deque), ``pace`` (seconds per chunk or None), ``can_take()`` and ``alive()``,
@@ -16,8 +16,16 @@ import collections
 from typing import Any, Iterable
 
 PREFETCH_TINY = 8
+PREFETCH_MAX = 256
+PREFETCH_S = 0.002  # queue about this much tiny work per worker: more than a message round trip
 TINY_TASK_S = 0.001
 SMALL_MESSAGE = 64 << 10
+
+
+def prefetch_limit(pace: float) -> int:
+    """Chunks a worker running tiny chunks of ``pace`` seconds may have in flight: enough to
+    cover the round trip of a result and the next task (at least PREFETCH_TINY)."""
+    return min(PREFETCH_MAX, max(PREFETCH_TINY, int(PREFETCH_S / max(pace, 1e-6))))
 
 
 class Chunk:
@@ -72,7 +80,7 @@ class Scheduler:
             return None
         for w in workers:
             n = len(w.outstanding)
-            if n >= PREFETCH_TINY or w.pace is None or w.pace >= TINY_TASK_S or not w.can_take():
+            if w.pace is None or w.pace >= TINY_TASK_S or n >= prefetch_limit(w.pace) or not w.can_take():
                 continue
             if best is None or n < len(best.outstanding):
                 best = w
