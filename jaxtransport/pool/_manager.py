@@ -48,6 +48,7 @@ class Manager:
         self.engine = engine
         self.thread = threading.Thread(target=self.run, name="jaxtransport-pool-manager", daemon=True)
         self.last_flush = 0.0
+        self.finished_any = False
 
     def start(self) -> None:
         self.thread.start()
@@ -118,10 +119,14 @@ class Manager:
 
     def read_from(self, w: WorkerRec) -> None:
         frames, eof = w.reader.read()
+        self.finished_any = False
         for raw in frames:
             if w.dead:
-                return
+                break
             self.on_frame(w, raw)
+        if self.finished_any:  # once per batch of messages, not per result
+            with self.engine.lock:
+                self.engine.dispatch()
         if eof and not w.dead:
             self.worker_exited(w)
 
@@ -186,8 +191,7 @@ class Manager:
         if chunk is not None:
             engine.finish_chunk(chunk, ok, value)
         del value
-        with engine.lock:
-            engine.dispatch()
+        self.finished_any = True  # read_from dispatches what the worker's place allows
 
     def on_release(self, w: WorkerRec, msg: _protocol.Release) -> None:
         for h in msg.handles:
@@ -313,7 +317,7 @@ class Manager:
         for raw in frames:
             if w.dead:
                 return
-            self.on_frame(w, raw)
+            self.on_frame(w, raw)  # worker_exited dispatches afterwards
 
     @staticmethod
     def how(code) -> str:
