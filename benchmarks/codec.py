@@ -11,6 +11,11 @@ Transports per size:
   (what plain pickle users get: in-band, but no detour through ``tobytes``).
 - ``memcpy``: one warm copy of the same bytes (the limit).
 
+Plus two ``codec-decode`` rows for a 4 KiB array: ``jt.loads`` through the fast host->device
+path (``batched_device_put`` directly; see ``jaxtransport._compat``) and through plain
+``jax.device_put``, and a line saying whether this JAX gets the fast path (a version whose
+internals moved loses it, and the line says so and why).
+
 Targets (issue 2): at >= 64 MiB, dumps+loads costs <= 2x one warm memcpy and is >= 20x faster
 than JAX's default pickle.
 
@@ -29,6 +34,25 @@ import numpy as np
 import jaxtransport as jt
 
 from ._common import KiB, GiB, MiB, print_env, print_table, reps_for, row, timeit, warm_memcpy
+
+
+BASELINE = "jax-default"
+LABELS = {
+    "jax-default": "jax-default: pickle.dumps + loads with JAX's own reducer (the bytes in-band)",
+    "jt-dumps-loads": "jt-dumps-loads: jt.dumps + jt.loads in one process, nothing copied "
+                      "(not a transfer: hence below memcpy)",
+    "jt-one-copy": "jt-one-copy: jt.dumps + one copy of the buffers into receive memory + "
+                   "jt.loads (what a transport pays)",
+    "jt-registered-inband": "jt-registered-inband: pickle.dumps + loads after jt.register(), "
+                            "no buffer_callback (the bytes in-band)",
+    "memcpy": "warm memcpy of the same bytes (the limit for one copy)",
+}
+ANNOTATE = ("jt-one-copy",)
+NO_SPEEDUP = ("jt-dumps-loads",)
+PLOT_TITLES = {"codec": "one jax.Array through pickle, in one process"}
+PLOT_NOTE = ("jt-dumps-loads is left out of the speedup panel: it moves no bytes (the receiver "
+             "aliases the sender's buffer), so its ratio grows without bound with the size "
+             "(28,000x at 1 GiB) and says nothing about a transfer; jt-one-copy is the honest one.")
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -101,11 +125,54 @@ def run(quick: bool = False) -> list[dict]:
                 )
             )
         del x, recv
+    rows += decode_path_rows(50 if quick else 200)
     return rows
 
 
+def decode_path_rows(reps: int = 200) -> list[dict]:
+    """Decode of a small array through the fast path and through jax.device_put, same run."""
+    from jaxtransport import _compat
+
+    fast, why = _compat.fast_put_available()
+    x = jnp.ones(1024, jnp.float32)
+    data, bufs = jt.dumps(x)
+    bufs = [bytes(b) for b in bufs]
+
+    def decode():
+        jt.loads(data, bufs).block_until_ready()
+
+    saved = _compat._FAST_PUT
+    t_fast = timeit(decode, reps, warmup=20)[0] if fast else float("nan")
+    _compat._FAST_PUT = False  # force jax.device_put
+    try:
+        t_slow = timeit(decode, reps, warmup=20)[0]
+    finally:
+        _compat._FAST_PUT = saved
+    label = "yes" if fast else f"no: {why}"
+    return [
+        row("codec-decode", x.nbytes, "jt-loads-fast-put", t_fast, fast_path=label,
+            speedup_vs_device_put=t_slow / t_fast if fast and t_fast > 0 else float("nan")),
+        row("codec-decode", x.nbytes, "jt-loads-jax-device-put", t_slow, fast_path=label,
+            speedup_vs_device_put=1.0),
+    ]
+
+
+def decode_path_line(rows: list[dict]) -> str:
+    by = {r["transport"]: r for r in rows if r["name"] == "codec-decode"}
+    fast, slow = by.get("jt-loads-fast-put"), by.get("jt-loads-jax-device-put")
+    if not fast or not slow:
+        return "INFO decode path: not measured"
+    version = f"jax {jax.__version__}"
+    if fast["fast_path"] != "yes":
+        return (f"LOST fast device_put path on {version} ({fast['fast_path'][4:]}): every decode "
+                f"goes through jax.device_put ({slow['seconds'] * 1e6:.0f} us for 4 KiB)")
+    return (f"INFO fast device_put path on {version}: 4 KiB decode {fast['seconds'] * 1e6:.0f} us "
+            f"vs {slow['seconds'] * 1e6:.0f} us through jax.device_put "
+            f"({fast['speedup_vs_device_put']:.1f}x)")
+
+
 def check_targets(rows: list[dict]) -> list[str]:
-    out = []
+    out = [decode_path_line(rows)]
     for r in rows:
         if r["size_bytes"] >= 64 * MiB and r["transport"] in ("jt-dumps-loads", "jt-one-copy"):
             ok = r["x_memcpy"] <= 2.0 and r["speedup_vs_default"] >= 20
@@ -123,7 +190,11 @@ def main() -> None:
     args = p.parse_args()
     print_env("codec: dumps+loads of one jax.Array")
     rows = run(args.quick)
-    print_table(rows, ["size_bytes", "transport", "seconds", "gbps", "x_memcpy", "speedup_vs_default"])
+    print_table([r for r in rows if r["name"] == "codec"],
+                ["size_bytes", "transport", "seconds", "gbps", "x_memcpy", "speedup_vs_default"])
+    print()
+    print_table([r for r in rows if r["name"] == "codec-decode"],
+                ["size_bytes", "transport", "seconds", "fast_path", "speedup_vs_device_put"])
     print()
     for line in check_targets(rows):
         print(line)

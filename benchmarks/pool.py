@@ -354,8 +354,35 @@ def run(quick: bool = False, max_bytes: int | None = None, only: tuple = GROUPS)
 
 
 PLOT_X = "size_bytes"
-PLOT_Y = "gbps"
+PLOT_Y = "seconds"
 LIMIT_TRANSPORTS = ("memcpy",)
+BASELINE = "multiprocessing.Pool"
+ANNOTATE = ("jaxtransport.Pool",)
+LABELS = {
+    "multiprocessing.Pool": "multiprocessing.Pool (spawn, stock pickling)",
+    "ProcessPoolExecutor": "concurrent.futures.ProcessPoolExecutor (spawn)",
+    "jaxtransport.Pool": "jaxtransport.Pool (median of repeated calls)",
+    "jaxtransport.Pool, steady state": "jaxtransport.Pool, steady state (calls alternating "
+                                       "with a memcpy)",
+    "memcpy": "warm memcpy of the same bytes (the limit)",
+}
+PLOT_TITLES = {
+    "argument": "a task with one jax.Array argument",
+    "result": "a task returning one jax.Array",
+}
+
+
+def plot_rows(rows: list[dict]) -> list[dict]:
+    """The plot's view of the rows: the steady-state round trips (``steady_*``) are drawn in
+    their direction's panel, next to the baselines they are compared with."""
+    out = []
+    for r in rows:
+        name = r.get("name", "")
+        if name.startswith("steady_"):
+            r = dict(r, name=name.removeprefix("steady_"),
+                     transport="jaxtransport.Pool, steady state")
+        out.append(r)
+    return out
 
 
 def check_targets(rows: list[dict]) -> list[str]:

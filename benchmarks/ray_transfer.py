@@ -14,10 +14,12 @@ fully deserialized before the task body runs). Result: ``ray.get(produce.remote(
 the worker returns an array it made earlier (cached, so creation is not timed). Both times run
 from the ``.remote()`` call to the driver holding the answer, so they include serializing,
 the object-store copy, deserializing and Ray's task overhead; the figures are medians of
-several repetitions, with the spread ((max - min) / median). Per size: a correctness pass
-(checksums both ways), then Ray's default in its own block (it allocates and frees several
-times the array's size per call, which would slow the next call), then jaxtransport and numpy
-alternating call by call, so drift and other processes' noise hit both alike.
+several repetitions, with the spread ((max - min) / median) and the min and max seconds (the
+first call of each path is an untimed warm-up; benchmarks.first_call times first calls). Per
+size: a correctness pass (checksums both ways), then Ray's default in its own block (it
+allocates and frees several times the array's size per call, which would slow the next call),
+then jaxtransport and numpy alternating call by call, so drift and other processes' noise hit
+both alike.
 
     python -m benchmarks.ray_transfer [--quick] [--reps N] [--min-mib M] [--max-mib M]
 
@@ -47,6 +49,15 @@ GIB = 1 << 30
 FULL_SIZES = [KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB]
 QUICK_SIZES = [KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 TRANSPORTS = ("ray-default", "jaxtransport", "numpy")
+
+BASELINE = "ray-default"
+ANNOTATE = ("jaxtransport",)
+LABELS = {
+    "ray-default": "ray-default: Ray's own serialization of a jax.Array (JAX's pickle)",
+    "jaxtransport": "jaxtransport.ray (registered in the driver and the workers)",
+    "numpy": "numpy: the same bytes as a numpy array (Ray's zero-copy path, the ceiling)",
+}
+PLOT_TITLES = {"argument": "a task argument", "result": "a task result"}
 
 _cache: dict[tuple, Any] = {}
 
@@ -180,6 +191,8 @@ def run(
                         if transport != "ray-default"
                         else None,
                         "spread": spread,
+                        "min": min(times[(name, transport)]),
+                        "max": max(times[(name, transport)]),
                         "reps": len(times[(name, transport)]),
                     }
                     rows.append(row)

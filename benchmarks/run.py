@@ -1,19 +1,24 @@
-"""Run every benchmark and write ``benchmarks/results/<name>.md`` and ``<name>.png``.
+"""Run every benchmark and write ``<name>.md`` (tables), ``<name>.png`` (plots) and
+``<name>.json`` (raw rows) for each.
 
-``python -m benchmarks [--quick] [--only NAME ...] [--out DIR] [--replot]``
+``python -m benchmarks [--quick] [--only NAME ...] [--publish | --out DIR] [--replot]``
+
+Results go to ``benchmarks/results/scratch/`` (git-ignored) unless ``--publish`` asks to rewrite
+the published ``benchmarks/results/`` (or ``--out`` names a folder).
 
 Each benchmark module exposes ``run(quick) -> list[dict]`` whose rows carry at least ``name``
 (the question within the benchmark, e.g. "argument" / "result"), ``size_bytes``, ``transport``
 and ``seconds``, usually ``gbps`` and ``ratio``, and may expose ``check_targets(rows) ->
 list[str]`` (PASS/MISS lines against the issue's targets). Optional module attributes steer the
-plot: ``PLOT_X`` / ``PLOT_Y`` (row keys; default ``size_bytes`` / ``gbps``), ``PLOT_XLABEL`` /
-``PLOT_YLABEL``, and ``LIMIT_TRANSPORTS`` (rows drawn as a dashed limit, default ``memcpy``).
-Where a module measures throughput against size but no memcpy row, the runner measures a warm
-memcpy of the same sizes itself and draws it.
+plot (see :func:`plot`): ``PLOT_X`` / ``PLOT_Y`` (row keys; default ``size_bytes`` /
+``seconds``), ``PLOT_XLABEL`` / ``PLOT_YLABEL`` / ``PLOT_XFORMAT``, ``LIMIT_TRANSPORTS`` (rows
+drawn as a dashed limit, default ``memcpy``), ``BASELINE`` (the stock transport the speedup
+panel divides by), ``LABELS``, ``ANNOTATE``, ``NO_SPEEDUP``, ``PLOT_TITLES``, ``PLOT_NOTE`` and
+``plot_rows(rows)``.
 
-The raw rows go to ``<name>.json`` as well; ``--replot`` rewrites the tables and plots from
-them without measuring. A module that is missing, lacks ``run``, or raises is reported and
-skipped; the others still run and the exit status is 1.
+``--replot`` rewrites the tables and plots from the saved ``<name>.json`` without measuring
+(the tables keep the date of the run). A module that is missing, lacks ``run``, or raises is
+reported and skipped; the others still run and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -33,14 +38,21 @@ from typing import Any
 from . import _common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: The published results (README links them): written only with ``--publish``.
 RESULTS = os.path.join(HERE, "results")
+#: Where a run writes by default (git-ignored).
+SCRATCH = os.path.join(RESULTS, "scratch")
 
 #: (result name, module): the order they run in.
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("first_call", "benchmarks.first_call"),
+    ("usercode", "benchmarks.usercode"),
+    ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
+    ("queue", "benchmarks.queue"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")
@@ -72,12 +84,16 @@ def columns(rows: list[dict]) -> list[str]:
     return list(seen)
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def markdown(name: str, module: Any, rows: list[dict], info: dict, targets: list[str],
-             seconds: float, quick: bool, plotted: bool) -> str:
+             seconds: float, quick: bool, plotted: bool, generated: str | None = None) -> str:
     doc = (inspect.getdoc(module) or "").strip()
     question = doc.split("\n\n")[0].replace("\n", " ") if doc else ""
     cols = columns(rows)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = generated or _now()
     out = [f"# Benchmark: {name}", ""]
     if question:
         out += [question, ""]
@@ -110,76 +126,205 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def plot(name: str, module: Any, rows: list[dict], path: str,
-         memcpy_reps: int = 3) -> bool:
-    """One log-log panel per row ``name`` with >= 2 sizes: a line per transport, the limit
-    dashed. Returns whether a figure was written."""
+def fmt_seconds(v: float) -> str:
+    """1e-05 -> '10 µs', 0.25 -> '250 ms', 3.0 -> '3 s'."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if v >= scale or unit == "ns":
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:g} s"  # pragma: no cover
+
+
+def fmt_ratio(v: float) -> str:
+    return f"{v:,.0f}x" if v >= 10 else f"{v:.1f}x"
+
+
+def plot_series(module: Any, rows: list[dict]) -> dict[str, dict[str, list[tuple[float, float, float]]]]:
+    """``{panel: {transport: [(x, y, seconds), ...]}}``, sorted by x: the rows a figure shows.
+
+    A module's ``plot_rows(rows) -> rows`` (optional) reshapes them first (e.g. merges a
+    question into another's panel). Panels need >= 2 distinct x values; a panel of limit rows
+    only (e.g. name ``memcpy``) is drawn in every other panel instead, over that panel's x
+    range."""
+    xk = getattr(module, "PLOT_X", "size_bytes")
+    yk = getattr(module, "PLOT_Y", "seconds")
+    limits = tuple(getattr(module, "LIMIT_TRANSPORTS", ("memcpy",)))
+    reshape = getattr(module, "plot_rows", None)
+    if callable(reshape):
+        rows = reshape(rows)
+    groups: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
+    for r in rows:
+        if _number(r.get(xk)) and _number(r.get(yk)):
+            series = groups.setdefault(str(r.get("name", "")), {})
+            sec = r.get("seconds")
+            series.setdefault(str(r.get("transport", "?")), []).append(
+                (r[xk], r[yk], sec if _number(sec) else float("nan")))
+    shared = {t: pts for s in groups.values() if set(s) <= set(limits) for t, pts in s.items()}
+    groups = {g: s for g, s in groups.items()
+              if not set(s) <= set(limits) and len({p[0] for pts in s.values() for p in pts}) >= 2}
+    for series in groups.values():
+        if not any(t in series for t in limits):
+            xs = [p[0] for pts in series.values() for p in pts]
+            lo, hi = min(xs), max(xs)
+            for t, pts in shared.items():
+                series[t] = [p for p in pts if lo <= p[0] <= hi]
+        for pts in series.values():
+            pts.sort()
+    return groups
+
+
+def speedups(series: dict[str, list[tuple[float, float, float]]], baseline: str,
+             skip: tuple = ()) -> dict[str, list[tuple[float, float]]]:
+    """``{transport: [(x, baseline seconds / seconds), ...]}`` at the x values the baseline was
+    measured at, for every transport but the baseline and ``skip``."""
+    base = {x: sec for x, _, sec in series.get(baseline, ()) if _number(sec)}
+    out = {}
+    for transport, pts in series.items():
+        if transport == baseline or transport in skip:
+            continue
+        ratios = [(x, base[x] / sec) for x, _, sec in pts if x in base and _number(sec)]
+        if ratios:
+            out[transport] = ratios
+    return out
+
+
+def _x_axis(ax, module: Any, xs: list[float]) -> None:
+    import matplotlib.ticker
+
+    xk = getattr(module, "PLOT_X", "size_bytes")
+    ax.set_xscale("log", base=2 if xk == "size_bytes" else 10)
+    ticks = sorted(set(xs))
+    fmt = getattr(module, "PLOT_XFORMAT", None)
+    if xk == "size_bytes":
+        labels = [_common.fmt_size(int(t)).replace(" ", "") for t in ticks]
+    else:
+        labels = [fmt.format(t) if fmt else f"{t:g}" for t in ticks]
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, rotation=45 if len(ticks) > 4 else 0, fontsize=8)
+    ax.set_xlabel(getattr(module, "PLOT_XLABEL", "message size" if xk == "size_bytes" else xk))
+
+
+def _y_axis(ax, values: list[float], formatter, from_zero_below: float = 20.0) -> None:
+    """Log scale when the values span more than ``from_zero_below``x, else linear from 0."""
+    import matplotlib.ticker
+
+    lo, hi = min(values), max(values)
+    if hi / lo > from_zero_below:
+        ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    else:
+        ax.set_ylim(0, hi * 1.25)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: formatter(v)))
+
+
+def _limit_label(labels: dict, transport: str) -> str:
+    default = "warm memcpy (limit)" if transport == "memcpy" else f"{transport} (limit)"
+    return labels.get(transport, default)
+
+
+def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
+    """One row of two panels per question with a size sweep (``plot_series``):
+
+    - left: ``PLOT_Y`` against size (default: seconds per call, so small messages show their
+      latency), one line per transport, limits (``LIMIT_TRANSPORTS``) dashed;
+    - right, when the module names a ``BASELINE`` transport: how many times faster than it,
+      at each size, the values written at the points of ``ANNOTATE`` (default: every line);
+      ``NO_SPEEDUP`` transports are left out of it (``PLOT_NOTE`` says why).
+
+    Legends use ``LABELS`` (transport -> explanation). Returns whether a figure was written;
+    it measures nothing (``--replot`` redraws published results as they were)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    xk = getattr(module, "PLOT_X", "size_bytes")
-    yk = getattr(module, "PLOT_Y", "gbps")
-    limits = tuple(getattr(module, "LIMIT_TRANSPORTS", ("memcpy",)))
-    groups: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    for r in rows:
-        if _number(r.get(xk)) and _number(r.get(yk)):
-            series = groups.setdefault(str(r.get("name", name)), {})
-            series.setdefault(str(r.get("transport", "?")), []).append((r[xk], r[yk]))
-    # A group of limit rows only (e.g. name "memcpy") is drawn in every other panel instead.
-    shared = {t: pts for s in groups.values() if set(s) <= set(limits) for t, pts in s.items()}
-    groups = {g: s for g, s in groups.items()
-              if not set(s) <= set(limits) and len({x for pts in s.values() for x, _ in pts}) >= 2}
-    for series in groups.values():
-        if not any(t in series for t in limits):
-            xs = [x for pts in series.values() for x, _ in pts]
-            lo, hi = min(xs), max(xs)
-            for t, pts in shared.items():
-                series[t] = [(x, y) for x, y in pts if lo <= x <= hi]
+    groups = plot_series(module, rows)
     if not groups:
         return False
-    ncols = min(2, len(groups))
-    nrows = -(-len(groups) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, 4.6 * nrows), squeeze=False)
-    for ax in axes.flat[len(groups):]:
-        ax.set_visible(False)
-    for ax, (group, series) in zip(axes.flat, groups.items()):
-        if yk == "gbps" and xk == "size_bytes" and not any(t in series for t in limits):
-            sizes = sorted({int(x) for pts in series.values() for x, _ in pts})
-            series["memcpy"] = [
-                (s, s / _common.warm_memcpy(s, memcpy_reps) / 1e9) for s in sizes
-            ]
+    yk = getattr(module, "PLOT_Y", "seconds")
+    limits = tuple(getattr(module, "LIMIT_TRANSPORTS", ("memcpy",)))
+    labels = dict(getattr(module, "LABELS", {}))
+    baseline = getattr(module, "BASELINE", None)
+    skip = tuple(getattr(module, "NO_SPEEDUP", ()))
+    annotate = getattr(module, "ANNOTATE", None)
+    titles = dict(getattr(module, "PLOT_TITLES", {}))
+    note = getattr(module, "PLOT_NOTE", "")
+    ylabel = getattr(module, "PLOT_YLABEL",
+                     "time per call (log scale; lower is better)" if yk == "seconds" else yk)
+    yfmt = fmt_seconds if yk == "seconds" else (lambda v: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    with_speedup = bool(baseline) and any(baseline in s for s in groups.values())
+    ncols = 2 if with_speedup else 1
+    fig, axes = plt.subplots(len(groups), ncols, figsize=(7.2 * ncols, 4.9 * len(groups)),
+                             squeeze=False)
+    colors: dict[str, str] = {}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def color(t: str) -> str:
+        return colors.setdefault(t, palette[len(colors) % len(palette)])
+
+    for (group, series), row_axes in zip(groups.items(), axes):
+        title = titles.get(group, group if group and group != name else "")
+        ax = row_axes[0]
+        xs = [p[0] for pts in series.values() for p in pts]
         for transport, pts in sorted(series.items(), key=lambda kv: kv[0] in limits):
-            if not pts:
-                continue
-            pts.sort()
-            xs, ys = zip(*pts)
+            px, py = [p[0] for p in pts], [p[1] for p in pts]
+            label = labels.get(transport, transport)
             if transport in limits:
-                label = "warm memcpy (limit)" if transport == "memcpy" else f"{transport}"
-                ax.plot(xs, ys, "k--", linewidth=1.5, label=label)
+                ax.plot(px, py, "k--", linewidth=1.5, label=_limit_label(labels, transport))
             else:
-                ax.plot(xs, ys, "o-", label=transport)
-        ax.set_xscale("log", base=2 if xk == "size_bytes" else 10)
-        ax.set_yscale("log")
-        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-        ax.yaxis.set_major_formatter(plain)
-        lo, hi = ax.get_ylim()
-        narrow = hi / lo < 10  # less than a decade: label the minor ticks too
-        ax.yaxis.set_minor_formatter(plain if narrow else matplotlib.ticker.NullFormatter())
-        if xk == "size_bytes":
-            ticks = sorted({x for pts in series.values() for x, _ in pts})
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([_common.fmt_size(int(t)).replace(" ", "") for t in ticks],
-                               rotation=45, fontsize=8)
-        ax.set_xlabel(getattr(module, "PLOT_XLABEL", "size" if xk == "size_bytes" else xk))
-        ax.set_ylabel(getattr(module, "PLOT_YLABEL", "GB/s" if yk == "gbps" else yk))
-        ax.set_title(name if group == name else f"{name}: {group}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+                ax.plot(px, py, "o-", color=color(transport), label=label)
+        _x_axis(ax, module, xs)
+        _y_axis(ax, [p[1] for pts in series.values() for p in pts], yfmt)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{name}: {title}" if title else name)
+        ax.grid(True, which="major", alpha=0.3)
+        if not with_speedup:
+            continue
+        ax = row_axes[1]
+        ratios = speedups(series, baseline, skip) if baseline in series else {}
+        if not ratios:
+            ax.set_visible(False)
+            continue
+        for transport, pts in sorted(ratios.items(), key=lambda kv: kv[0] in limits):
+            px, py = [p[0] for p in pts], [p[1] for p in pts]
+            if transport in limits:
+                ax.plot(px, py, "k--", linewidth=1.5, label=_limit_label(labels, transport))
+                continue
+            ax.plot(px, py, "o-", color=color(transport), label=labels.get(transport, transport))
+            if annotate is None or transport in annotate:
+                for x, v in pts:
+                    ax.annotate(fmt_ratio(v), (x, v), textcoords="offset points", xytext=(0, 7),
+                                ha="center", fontsize=8, color=color(transport),
+                                bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
+                                      "alpha": 0.8})
+        ax.axhline(1.0, color="grey", linewidth=1, linestyle=":")
+        _x_axis(ax, module, [p[0] for pts in ratios.values() for p in pts])
+        values = [p[1] for pts in ratios.values() for p in pts] + [1.0]
+        _y_axis(ax, values, fmt_ratio)
+        if ax.get_yscale() == "log":
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(lo, hi * 2)  # room for the labels
+        base_label = labels.get(baseline, baseline).split(":")[0].split(" (")[0]
+        ax.set_ylabel(f"times faster than {base_label}")
+        ax.set_title(f"{name}: {title}, speedup" if title else f"{name}: speedup")
+        ax.grid(True, which="major", alpha=0.3)
+    # One legend for the figure, below the panels (a transport has one colour everywhere).
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    entries: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    legend = fig.legend(list(entries.values()), list(entries), loc="upper center",
+                        bbox_to_anchor=(0.5, 0.0), fontsize=9, frameon=False,
+                        ncol=1 if ncols == 1 or max(map(len, entries)) > 60 else 2)
+    if note:
+        import textwrap
+
+        fig.canvas.draw()
+        box = legend.get_window_extent().transformed(fig.transFigure.inverted())
+        fig.text(0.5, box.y0 - 0.01, textwrap.fill(note, 150 if ncols == 2 else 90),
+                 fontsize=9, ha="center", va="top", style="italic")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -193,9 +338,24 @@ def _load_rows(path: str) -> list[dict]:
         return json.load(f)["rows"]
 
 
+def _generated_in(md_path: str) -> str | None:
+    """The date an existing ``<name>.md`` says its run was made (results saved before the
+    JSON kept it)."""
+    try:
+        with open(md_path) as f:
+            for line in f:
+                if line.startswith("Generated by"):
+                    return line.split(" on ", 1)[1].split(" (", 1)[0]
+    except (OSError, IndexError):
+        pass
+    return None
+
+
 def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, seconds: float,
-                  quick: bool, info: dict | None = None) -> None:
-    """Targets, ``<name>.png``, ``<name>.md`` and ``<name>.json`` (the raw rows)."""
+                  quick: bool, info: dict | None = None, generated: str | None = None) -> None:
+    """Targets, ``<name>.png``, ``<name>.md`` and ``<name>.json`` (the raw rows).
+    ``generated``: when the rows were measured (default: now)."""
+    generated = generated or _now()
     targets: list[str] = []
     check = getattr(module, "check_targets", None)
     if callable(check):
@@ -216,11 +376,11 @@ def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, second
         plotted = False
     info = info or _common.env_info()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"environment": info, "quick": quick, "seconds": seconds, "rows": rows}, f,
-                  indent=1, default=str)
+        json.dump({"environment": info, "quick": quick, "seconds": seconds,
+                   "generated": generated, "rows": rows}, f, indent=1, default=str)
     md = os.path.join(out_dir, f"{name}.md")
     with open(md, "w") as f:
-        f.write(markdown(name, module, rows, info, targets, seconds, quick, plotted))
+        f.write(markdown(name, module, rows, info, targets, seconds, quick, plotted, generated))
     print(f"wrote {os.path.relpath(md)}" + (f" and {os.path.relpath(png)}" if plotted else ""))
 
 
@@ -240,10 +400,12 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
             with open(path) as f:
                 saved = json.load(f)
         except (OSError, ValueError) as exc:
-            print(f"!! {name}: no saved rows to replot ({exc})", file=sys.stderr)
+            print(f"!! {name}: no saved rows to replot ({exc}); run it first, or add --publish "
+                  "to redraw the published results", file=sys.stderr)
             return False
+        generated = saved.get("generated") or _generated_in(os.path.join(out_dir, f"{name}.md"))
         write_outputs(name, module, saved["rows"], out_dir, saved["seconds"], saved["quick"],
-                      saved["environment"])
+                      saved["environment"], generated)
         return True
     fn = getattr(module, "run", None)
     if not callable(fn):
@@ -265,22 +427,49 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def _rel(path: str) -> str:
+    return os.path.relpath(path, os.path.dirname(HERE))
+
+
+QUICK_MINUTES = 8  # measured: --quick took 7.5 min on 2 cores (the full run: ~11 min)
+
+
+def _parser() -> argparse.ArgumentParser:
     names = [n for n, _ in BENCHMARKS]
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=f"Run jaxtransport's benchmarks ({', '.join(names)}) and write, for "
+        "each, NAME.md (tables with the environment and PASS/MISS lines), NAME.png (plots) and "
+        "NAME.json (raw rows). Every ratio is against a baseline measured in the same run.",
+        epilog=f"Default output folder: {_rel(SCRATCH)} (git-ignored); --publish "
+        f"rewrites the published results in {_rel(RESULTS)}.",
+    )
     p.add_argument("--quick", action="store_true",
-                   help="smaller sizes and fewer repetitions (a few minutes in all)")
+                   help="smaller sizes (up to 256 MiB) and fewer repetitions: about "
+                   f"{QUICK_MINUTES} minutes on 2 cores, against about 11 for the full run")
     p.add_argument("--only", action="append", choices=names, help="run only this (repeatable)")
-    p.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--publish", action="store_true",
+                       help=f"write to {_rel(RESULTS)}, the results the README shows "
+                       "(overwrites them)")
+    where.add_argument("--out", default=None, metavar="DIR",
+                       help=f"write to DIR (default {_rel(SCRATCH)})")
     p.add_argument("--replot", action="store_true",
-                   help="measure nothing: rewrite the tables and plots from the saved <name>.json")
-    args = p.parse_args(argv)
+                   help="measure nothing: rewrite the tables and plots from the NAME.json "
+                   "files in the output folder (with --publish: the published ones)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = args.out or (RESULTS if args.publish else SCRATCH)
     _common.print_env("jaxtransport benchmarks" + (" (quick)" if args.quick else ""))
+    print(f"# output: {out}", flush=True)
     failed = []
     for name, modname in BENCHMARKS:
         if args.only and name not in args.only:
             continue
-        if not run_one(name, modname, args.quick, args.out, replot=args.replot):
+        if not run_one(name, modname, args.quick, out, replot=args.replot):
             failed.append(name)
     if failed:
         print(f"\nfailed or skipped: {', '.join(failed)}", file=sys.stderr)

@@ -36,8 +36,10 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from . import _compat
 from ._errors import (
     ArrayDeletedError,
+    CorruptTransferError,
     DtypeUnavailableError,
     PlacementError,
     UnsupportedArrayError,
@@ -84,23 +86,9 @@ def check_placement(placement: str) -> str:
     return placement
 
 
-_CONCRETE_TYPES: tuple[type, ...] | None = None
-
-
 def concrete_array_types() -> tuple[type, ...]:
     """The exact classes of concrete JAX arrays (``jax.Array`` itself is abstract)."""
-    global _CONCRETE_TYPES
-    if _CONCRETE_TYPES is None:
-        from jax._src.array import ArrayImpl
-
-        types_: list[type] = [ArrayImpl]
-        try:
-            from jax._src.prng import PRNGKeyArray  # type: ignore
-        except ImportError:
-            from jax._src.random.prng import PRNGKeyArray  # type: ignore
-        types_.append(PRNGKeyArray)
-        _CONCRETE_TYPES = tuple(types_)
-    return _CONCRETE_TYPES
+    return _compat.concrete_array_types()
 
 
 def is_jax_array(x: Any) -> bool:
@@ -179,7 +167,7 @@ def encode(x: Any) -> tuple[ArrayMeta, list[np.ndarray]]:
     _check_alive(x)
     prng_impl = None
     if _is_key(x):
-        prng_impl = str(jax.random.key_impl(x))
+        prng_impl = _compat.prng_impl_name(x)  # the canonical name on every JAX
         x = jax.random.key_data(x)
     if not x.is_fully_addressable:
         raise UnsupportedArrayError(
@@ -244,30 +232,197 @@ def _check_x64(dtype: np.dtype, placement: str) -> None:
         )
 
 
+# Note [validating received metadata]
+# ``decode`` trusts nothing it is told: before anything is allocated, ``_validate`` checks every
+# field of the metadata against the buffers that arrived (the format version is checked first).
+# - dtype: a name this JAX knows (else DtypeUnavailableError) of a type a jax.Array can have:
+#   bool, integer, float, complex or an ml_dtypes type, native byte order; never object,
+#   string, datetime, structured or void.
+# - shape: a tuple of at most _MAX_NDIM non-negative ints whose product (zero dimensions
+#   counted as one) stays below 2**62, so no size computation can overflow.
+# - weak_type a bool, prng_impl a str or None, the sharding description well-formed.
+# - buffers: bytes-like and C-contiguous; exactly one per shard (one when ``indices`` is empty);
+#   each exactly the bytes of its shard (or of the whole array), so the declared size is bounded
+#   by the bytes that arrived and no more memory is ever reserved than the sender supplied.
+# - indices: one (start, stop) pair per dimension with 0 <= start <= stop <= dim, each distinct
+#   shard once (the encoder sends each distinct shard once: replicas are never sent twice, so
+#   there is nothing to compare), and together an exact tiling of the shape - along each
+#   dimension the distinct ranges follow each other from 0 to the dimension's end, and every
+#   combination of them is present. Every JAX sharding splits an array into such a grid (uneven
+#   shardings included), and an exact tiling means every element of the array assembled from
+#   the shards comes from exactly one buffer: no uninitialised memory can reach the caller.
+# A failure raises CorruptTransferError naming the field and what is wrong with it. Anything
+# JAX itself rejects later (a PRNG implementation unknown here, a sharding that does not fit the
+# shape) raises CorruptTransferError too: decode lets no other exception type escape for a bad
+# payload.
+
+_MAX_NDIM = 32  # numpy 1's limit (numpy 2 allows 64); no jax.Array comes near it
+_MAX_ELEMENTS = 1 << 62
+
+
+def _corrupt(what: str) -> CorruptTransferError:
+    return CorruptTransferError(f"Corrupt transfer: {what}")
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # what the encoder sends; numpy ints could overflow size arithmetic
+
+
+def _array_dtype_ok(dtype: np.dtype) -> bool:
+    if not dtype.isnative or dtype.hasobject or dtype.names is not None or dtype.subdtype is not None:
+        return False
+    if dtype.kind in "biufc":
+        return True
+    return dtype.kind == "V" and dtype.type.__module__.split(".")[0] == "ml_dtypes"
+
+
+def _buffer_nbytes(buf: Any, k: int) -> int:
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise _corrupt(f"buffer {k} is not C-contiguous")
+        return int(buf.nbytes)
+    try:
+        with memoryview(buf) as m:
+            if not m.c_contiguous:
+                raise _corrupt(f"buffer {k} is not C-contiguous")
+            return int(m.nbytes)
+    except TypeError:
+        raise _corrupt(f"buffer {k} is a {type(buf).__name__}, not a bytes-like object") from None
+
+
+def _check_tiling(indices: tuple, shape: tuple) -> None:
+    ndim = len(shape)
+    seen: set = set()
+    ranges: list[set] = [set() for _ in shape]
+    for k, idx in enumerate(indices):
+        if type(idx) is not tuple or len(idx) != ndim:
+            raise _corrupt(
+                f"shard {k}'s index {idx!r} is not one (start, stop) pair per dimension of shape {shape}"
+            )
+        for d, pair in enumerate(idx):
+            if (type(pair) is not tuple or len(pair) != 2 or not _is_int(pair[0]) or not _is_int(pair[1])
+                    or not 0 <= pair[0] <= pair[1] <= shape[d]):
+                raise _corrupt(
+                    f"shard {k}'s index {idx!r} is outside shape {shape} (dimension {d}: {pair!r})"
+                )
+            ranges[d].add((int(pair[0]), int(pair[1])))
+        if idx in seen:
+            raise _corrupt(f"shard index {idx} appears twice (each distinct shard is sent once)")
+        seen.add(idx)
+    tiles = 1
+    for d, (pairs, dim) in enumerate(zip(ranges, shape)):
+        end = 0
+        ordered = sorted(pairs)
+        for a, b in ordered:
+            if a != end:
+                what = "overlap" if a < end else "leave a gap"
+                raise _corrupt(
+                    f"the shards of shape {shape} {what} along dimension {d} at {min(a, end)} "
+                    f"(their ranges there: {ordered})"
+                )
+            end = b
+        if end != dim:
+            raise _corrupt(
+                f"the shards of shape {shape} stop at {end} along dimension {d} of size {dim} "
+                f"(their ranges there: {ordered}): part of the array would be uninitialised"
+            )
+        tiles *= len(pairs)
+    if tiles != len(indices):
+        raise _corrupt(
+            f"the {len(indices)} shards do not tile shape {shape}: their boundaries make "
+            f"{tiles} tiles, so part of the array would be uninitialised"
+        )
+
+
+def _check_sharding_meta(sh: Any) -> None:
+    if sh is None:
+        return
+    ok = type(sh) is tuple and len(sh) >= 1
+    kind = sh[0] if ok else None
+    if kind == "single":
+        ok = (len(sh) == 4 and isinstance(sh[1], str) and _is_int(sh[2])
+              and (sh[3] is None or isinstance(sh[3], str)))
+    elif kind == "named":
+        from jax.sharding import PartitionSpec
+
+        ok = len(sh) == 8
+        if ok:
+            _, platform, mesh_shape, axis_names, ids, spec, memory_kind, _axis_types = sh
+            ok = (isinstance(platform, str)
+                  and type(mesh_shape) is tuple and all(_is_int(n) and n > 0 for n in mesh_shape)
+                  and type(axis_names) is tuple and len(axis_names) == len(mesh_shape)
+                  and all(isinstance(n, str) for n in axis_names) and len(set(axis_names)) == len(axis_names)
+                  and type(ids) is tuple and all(_is_int(i) for i in ids)
+                  and len(ids) == math.prod(mesh_shape) and len(set(ids)) == len(ids)
+                  and isinstance(spec, PartitionSpec)
+                  and (memory_kind is None or isinstance(memory_kind, str)))
+    elif kind == "other":
+        ok = len(sh) == 2 and isinstance(sh[1], str)
+    else:
+        ok = False
+    if not ok:
+        raise _corrupt(f"the sharding description {sh!r} is malformed")
+
+
+def _validate(meta: ArrayMeta, buffers: Sequence[Any]) -> np.dtype:
+    """Check every field of ``meta`` against ``buffers`` (Note [validating received metadata]);
+    returns the numpy dtype. Allocates nothing."""
+    if not isinstance(meta.dtype, str):
+        raise _corrupt(f"the dtype {meta.dtype!r} is not a dtype name")
+    dtype = _np_dtype(meta.dtype)
+    if not _array_dtype_ok(dtype):
+        raise _corrupt(f"dtype {meta.dtype!r} ({dtype!r}) is not one a jax.Array can have")
+    shape = meta.shape
+    if type(shape) is not tuple or len(shape) > _MAX_NDIM or not all(_is_int(n) and n >= 0 for n in shape):
+        raise _corrupt(f"the shape {shape!r} is not a tuple of at most {_MAX_NDIM} non-negative ints")
+    if math.prod(max(int(n), 1) for n in shape) >= _MAX_ELEMENTS:
+        raise _corrupt(f"the shape {shape} is impossibly large")
+    if not isinstance(meta.weak_type, bool):
+        raise _corrupt(f"weak_type {meta.weak_type!r} is not a bool")
+    if meta.prng_impl is not None and not isinstance(meta.prng_impl, str):
+        raise _corrupt(f"the PRNG implementation {meta.prng_impl!r} is not a name")
+    _check_sharding_meta(meta.sharding)
+    indices = meta.indices
+    if type(indices) is not tuple:
+        raise _corrupt(f"the shard indices {indices!r} are not a tuple")
+    sizes = [_buffer_nbytes(b, k) for k, b in enumerate(buffers)]
+    itemsize = dtype.itemsize
+    if not indices:
+        if len(sizes) != 1:
+            raise _corrupt(f"a whole {dtype} array of shape {shape} comes in 1 buffer, got {len(sizes)}")
+        need = math.prod(shape) * itemsize
+        if sizes[0] != need:
+            raise _corrupt(f"a {dtype} array of shape {shape} needs {need} bytes but {sizes[0]} arrived")
+        return dtype
+    if len(sizes) != len(indices):
+        raise _corrupt(f"{len(indices)} shards are described but {len(sizes)} buffers arrived")
+    _check_tiling(indices, shape)
+    for k, (idx, n) in enumerate(zip(indices, sizes)):
+        need = math.prod(b - a for a, b in idx) * itemsize
+        if n != need:
+            raise _corrupt(
+                f"shard {k} ({idx}) of a {dtype} array of shape {shape} needs {need} bytes but "
+                f"its buffer holds {n}"
+            )
+    return dtype
+
+
 def _typed(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """A ``dtype``/``shape`` view of ``buf`` (whose size ``_validate`` checked)."""
     if isinstance(buf, np.ndarray) and buf.dtype == dtype and buf.shape == shape:
         return buf
-    count = math.prod(shape)
     raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
-    need = count * dtype.itemsize
-    if raw.nbytes != need:
-        raise UnsupportedArrayError(
-            f"Corrupt transfer: a {dtype} buffer of shape {shape} needs {need} bytes but "
-            f"{raw.nbytes} arrived."
-        )
+    need = math.prod(shape) * dtype.itemsize
+    if raw.nbytes != need:  # pragma: no cover - _validate checked it
+        raise _corrupt(f"a {dtype} buffer of shape {shape} needs {need} bytes but {raw.nbytes} arrived.")
     return raw.view(dtype).reshape(shape)
 
 
 def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype) -> np.ndarray:
-    """The whole array as one host ndarray; a view when a single buffer covers it."""
+    """The whole array as one host ndarray; a view when a single buffer covers it. ``meta`` was
+    validated: the shards tile the shape exactly, so ``np.empty`` is entirely overwritten."""
     if not meta.indices:
-        if len(buffers) != 1:
-            raise UnsupportedArrayError(f"Corrupt transfer: expected 1 buffer, got {len(buffers)}")
         return _typed(buffers[0], dtype, meta.shape)
-    if len(buffers) != len(meta.indices):
-        raise UnsupportedArrayError(
-            f"Corrupt transfer: expected {len(meta.indices)} shard buffers, got {len(buffers)}"
-        )
     out = np.empty(meta.shape, dtype)
     for idx, buf in zip(meta.indices, buffers):
         shard_shape = tuple(b - a for a, b in idx)
@@ -333,14 +488,17 @@ def _rebuild_sharding(sharding_meta: tuple | None) -> Any | None:
 
 
 def _set_weak_type(x: Any, weak_type: bool) -> Any:
+    """``x`` rebuilt weak-typed over the same buffers (Note [weak types] in ``_compat``)."""
     if weak_type and not x.weak_type:
-        # What JAX's own unpickling does (jax/_src/array.py: _reconstruct_array).
-        x.aval = x.aval.update(weak_type=True)
+        return _compat.with_weak_type(x)
     return x
 
 
 def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, sharding: Any):
-    index_map = sharding.addressable_devices_indices_map(meta.shape)
+    try:
+        index_map = sharding.addressable_devices_indices_map(meta.shape)
+    except Exception as e:
+        raise _corrupt(f"the sender's sharding {sharding} does not fit its shape {meta.shape}: {e}") from None
     by_index: dict[tuple, np.ndarray] = {}
     if not meta.indices:
         whole = _typed(buffers[0], dtype, meta.shape)
@@ -354,63 +512,24 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
     arrays = []
     for device, index in index_map.items():
         idx = _norm_index(index, meta.shape)
-        if whole is not None:
-            data = whole[tuple(slice(a, b) for a, b in idx)]
-        elif idx in by_index:
+        if idx in by_index:
             data = by_index[idx]
-        else:  # the receiver's sharding differs from the sender's shard layout
-            data = _assemble(meta, buffers, dtype)[tuple(slice(a, b) for a, b in idx)]
+        else:  # one buffer, or the receiver's sharding differs from the sender's shard layout
+            if whole is None:
+                whole = _assemble(meta, buffers, dtype)
+            data = whole[tuple(slice(a, b) for a, b in idx)]
         arrays.append(jax.device_put(data, SingleDeviceSharding(device, memory_kind=memory_kind)))
     return jax.make_array_from_single_device_arrays(meta.shape, sharding, arrays)
 
 
-_FAST_PUT: Any = None  # None: not tried yet; False: unavailable in this jax; else the function
-_FLOAT0 = np.dtype(jax.dtypes.float0)  # jax.device_put turns these into bools: left to it
-
-
-def _make_fast_put():
-    from jax._src import core
-    from jax._src.interpreters import pxla
-    from jax.sharding import SingleDeviceSharding
-
-    shardings: dict = {}
-
-    def put(x: np.ndarray):
-        device = pxla.get_default_device()
-        sharding = shardings.get(device)
-        if sharding is None:
-            sharding = shardings[device] = SingleDeviceSharding(device)
-        return pxla.batched_device_put(core.shaped_abstractify(x), sharding, [x], [device], committed=False)
-
-    return put
-
-
-def _device_put(x: np.ndarray) -> Any:
-    """``jax.device_put(x)`` for a host ndarray: what it ends in for one (``batched_device_put``
-    onto the default device, uncommitted), without the layers above, which on a cold cache -
-    right after a large copy, the moment every transfer decodes - cost ~250 us where this path
-    costs ~40 us. Falls back to ``jax.device_put`` for good when this jax's internals differ
-    (checked on first use)."""
-    global _FAST_PUT
-    fast = _FAST_PUT
-    if fast is None:
-        try:
-            fast = _make_fast_put()
-            probe = np.arange(4, dtype=np.int32)
-            out, ref = fast(probe), jax.device_put(probe)
-            if not (isinstance(out, jax.Array) and out.sharding == ref.sharding
-                    and out.dtype == ref.dtype and out.weak_type == ref.weak_type
-                    and out.committed == ref.committed and np.array_equal(np.asarray(out), probe)):
-                fast = False
-        except Exception:
-            fast = False
-        _FAST_PUT = fast
-    if fast is not False and x.dtype != _FLOAT0:
-        try:
-            return fast(x)
-        except Exception:  # pragma: no cover - jax's own path raises what it raises
-            pass
-    return jax.device_put(x)
+def _wrap_key(data: Any, impl: str) -> Any:
+    try:
+        return _compat.wrap_key_data(data, impl)
+    except UnsupportedArrayError as e:
+        raise _corrupt(
+            f"key data of shape {data.shape} and dtype {data.dtype} is not a key array of PRNG "
+            f"implementation {impl!r}: {e}"
+        ) from None
 
 
 def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
@@ -427,23 +546,24 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
             "sender and receiver run different jaxtransport versions."
         )
     meta = ArrayMeta(*meta)
-    dtype = _np_dtype(meta.dtype)
+    dtype = _validate(meta, buffers)
     _check_x64(dtype, placement)
     if placement == "host":
         data = _assemble(meta, buffers, dtype)
         if meta.prng_impl is None:
             return data
-        return jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=meta.prng_impl)
+        return _wrap_key(jax.device_put(data, jax.devices("cpu")[0]), meta.prng_impl)
     if placement == "preserve":
         sharding = _rebuild_sharding(meta.sharding)
         if sharding is not None:
             out = _set_weak_type(_decode_preserved(meta, buffers, dtype, sharding), meta.weak_type)
             if meta.prng_impl is not None:
-                out = jax.random.wrap_key_data(out, impl=meta.prng_impl)
+                out = _wrap_key(out, meta.prng_impl)
             return out
     elif placement != "device":
         check_placement(placement)
-    out = _set_weak_type(_device_put(_assemble(meta, buffers, dtype)), meta.weak_type)
+    # jax.device_put's result, weak-typed where the sender's was (see _compat).
+    out = _compat.put_on_default_device(_assemble(meta, buffers, dtype), meta.weak_type)
     if meta.prng_impl is not None:
-        out = jax.random.wrap_key_data(out, impl=meta.prng_impl)
+        out = _wrap_key(out, meta.prng_impl)
     return out

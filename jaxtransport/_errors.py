@@ -7,13 +7,14 @@ parent), so every class defines ``__reduce__`` over its constructor arguments.
 
 from __future__ import annotations
 
-import jax
+import threading
 
 __all__ = [
     "TracerTransportError",
     "TransportError",
     "ArrayDeletedError",
     "UnsupportedArrayError",
+    "CorruptTransferError",
     "DtypeUnavailableError",
     "PlacementError",
     "WorkerLostError",
@@ -25,55 +26,83 @@ __all__ = [
 ]
 
 
-class TracerTransportError(jax.errors.ConcretizationTypeError):
-    """A traced value (a JAX ``Tracer``) was about to leave its process.
+_DEFINE_LOCK = threading.Lock()
 
-    Tracers are abstract placeholders that exist only while ``jit``, ``grad``, ``vmap``, ``scan``,
-    ``shard_map`` ... trace a function; they have no value to send. Subclasses
-    ``jax.errors.ConcretizationTypeError`` so that ``except ConcretizationTypeError`` still
-    catches it. The message names the tracer's shape and dtype, the transformation being
-    traced, where in the user's data it sits (``path``) and the fixes.
 
-    Attributes:
-      path: the key path of the tracer inside the object that was being sent (for example
-        ``"args[0]['params']['w']"``), or ``None`` when it is not known.
-      description: shape/dtype/transformation summary of the tracer.
-    """
+def _define_tracer_error() -> type:
+    # JAX is imported here, on first use, not when jaxtransport is: a Pool worker that runs
+    # numpy-only tasks never imports it (TracerTransportError can only be raised where JAX is).
+    with _DEFINE_LOCK:
+        defined = globals().get("TracerTransportError")
+        if defined is None:
+            defined = _tracer_error_class()
+            globals()["TracerTransportError"] = defined
+    return defined
 
-    def __init__(self, description: str, path: str | None = None, *, where: str | None = None):
-        self.description = description
-        self.path = path
-        self.where = where
-        located = f" at {path}" if path else ""
-        via = f" ({where})" if where else ""
-        hint_path = (
-            ""
-            if path
-            else "\nTo find where it sits in your data, call jaxtransport.check_transportable(obj)."
-        )
-        message = (
-            f"Cowardly refusing to transport a traced value{located}{via}: {description}.\n"
-            "A Tracer only exists while a JAX transformation traces a function; it has no "
-            "concrete value that another process could receive.\n"
-            "Fix: return the concrete result from the transformed function and send it from "
-            "outside (after jit/grad/vmap/... has returned), or call out of the traced "
-            "function with jax.experimental.io_callback (or jax.debug.callback for side "
-            f"effects only), which receives concrete arrays.{hint_path}"
-        )
-        # Bypass ConcretizationTypeError.__init__ (which wants a live tracer); point at the
-        # JAX error page of the class users know.
-        TypeError.__init__(
-            self,
-            f"{message}\nSee https://docs.jax.dev/en/latest/errors.html"
-            "#jax.errors.ConcretizationTypeError",
-        )
 
-    def __reduce__(self):
-        return (_rebuild_tracer_error, (self.description, self.path, self.where))
+def _tracer_error_class() -> type:
+    import jax
+
+    class TracerTransportError(jax.errors.ConcretizationTypeError):
+        """A traced value (a JAX ``Tracer``) was about to leave its process.
+
+        Tracers are abstract placeholders that exist only while ``jit``, ``grad``, ``vmap``, ``scan``,
+        ``shard_map`` ... trace a function; they have no value to send. Subclasses
+        ``jax.errors.ConcretizationTypeError`` so that ``except ConcretizationTypeError`` still
+        catches it. The message names the tracer's shape and dtype, the transformation being
+        traced, where in the user's data it sits (``path``) and the fixes.
+
+        Attributes:
+          path: the key path of the tracer inside the object that was being sent (for example
+            ``"args[0]['params']['w']"``), or ``None`` when it is not known.
+          description: shape/dtype/transformation summary of the tracer.
+        """
+
+        def __init__(self, description: str, path: str | None = None, *, where: str | None = None):
+            self.description = description
+            self.path = path
+            self.where = where
+            located = f" at {path}" if path else ""
+            via = f" ({where})" if where else ""
+            hint_path = (
+                ""
+                if path
+                else "\nTo find where it sits in your data, call jaxtransport.check_transportable(obj)."
+            )
+            message = (
+                f"Cowardly refusing to transport a traced value{located}{via}: {description}.\n"
+                "A Tracer only exists while a JAX transformation traces a function; it has no "
+                "concrete value that another process could receive.\n"
+                "Fix: return the concrete result from the transformed function and send it from "
+                "outside (after jit/grad/vmap/... has returned), or call out of the traced "
+                "function with jax.experimental.io_callback (or jax.debug.callback for side "
+                f"effects only), which receives concrete arrays.{hint_path}"
+            )
+            # Bypass ConcretizationTypeError.__init__ (which wants a live tracer); point at the
+            # JAX error page of the class users know.
+            TypeError.__init__(
+                self,
+                f"{message}\nSee https://docs.jax.dev/en/latest/errors.html"
+                "#jax.errors.ConcretizationTypeError",
+            )
+
+        def __reduce__(self):
+            return (_rebuild_tracer_error, (self.description, self.path, self.where))
+
+    TracerTransportError.__module__ = __name__
+    TracerTransportError.__qualname__ = "TracerTransportError"  # pickled by this name
+    return TracerTransportError
+
+
+def __getattr__(name: str):
+    # PEP 562: ``TracerTransportError`` subclasses a JAX class, so it is defined on first access.
+    if name == "TracerTransportError":
+        return _define_tracer_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _rebuild_tracer_error(description, path, where):
-    return TracerTransportError(description, path, where=where)
+    return _define_tracer_error()(description, path, where=where)
 
 
 class TransportError(RuntimeError):
@@ -89,6 +118,19 @@ class ArrayDeletedError(TransportError):
 
 class UnsupportedArrayError(TransportError, TypeError):
     """An array that cannot be transported (for example one spanning other hosts' devices)."""
+
+
+class CorruptTransferError(TransportError, ValueError):
+    """A received array's description does not fit the data that arrived with it.
+
+    The metadata of every array (dtype, shape, shard indices, sharding, PRNG implementation) is
+    checked against its buffers before anything is allocated: a dtype no JAX array can have,
+    negative or absurd dimensions, shard indices outside the shape, overlapping or not covering
+    it, a buffer whose size is not its shard's, missing or extra buffers. The message names what
+    is wrong. Raised instead of returning an array that is partly uninitialised memory, or
+    reserving memory the buffers cannot fill. Usually a bug or a damaged channel between the two
+    processes (or two jaxtransport versions that disagree); the data is not usable.
+    """
 
 
 class DtypeUnavailableError(TransportError, TypeError):
@@ -120,6 +162,12 @@ class WorkerLostError(TransportError, _broken_process_pool()):
     """
 
 
+class BrokenExecutorError(TransportError, _broken_process_pool()):
+    """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
+    initializer failed): no call can run. A ``concurrent.futures.process.BrokenProcessPool``,
+    as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause."""
+
+
 class PoolStateError(TransportError, ValueError):
     """A Pool was used after ``close()``/``terminate()``, or a pool object was misused (``join``
     before ``close``, a SharedTree of another pool or already released). Subclasses ValueError
@@ -147,12 +195,6 @@ def _mp_remote_traceback() -> type:
     from multiprocessing.pool import RemoteTraceback as _Base
 
     return _Base
-
-
-class CorruptTransferError(TransportError):
-    """What arrived from another process is malformed: a pool message or a shared-memory handle
-    that does not parse, a truncated buffer, metadata that does not describe its bytes. Only the
-    task the message belongs to fails (or the worker that sent it is replaced)."""
 
 
 class RemoteTraceback(_mp_remote_traceback()):

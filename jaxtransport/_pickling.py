@@ -18,15 +18,41 @@ import contextvars
 import copyreg
 import io
 import pickle
+import pickletools
+import sys
 import threading
 from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
 
-from . import _codec
-from ._errors import TracerTransportError
-from ._tracers import Tracer, find_tracer, tracer_error, tracer_types
+from . import _errors
+
+# JAX (with _codec and _tracers, which need it) is imported where a JAX object is at hand or
+# the caller asked for JAX, never at import: a process that has not imported JAX holds no
+# jax.Array and no Tracer, so there is nothing for these reducers to do (a Pool worker running
+# numpy-only tasks never imports it).
+_JAX_KINDS = None  # (concrete jax.Array types, Tracer base class), once JAX is imported
+
+
+def _jax_kinds():
+    """(array types, Tracer) when JAX is imported in this process, else None."""
+    global _JAX_KINDS
+    if _JAX_KINDS is None and "jax" in sys.modules:
+        from . import _codec
+        from ._tracers import Tracer
+
+        _JAX_KINDS = (frozenset(_codec.concrete_array_types()), Tracer)
+    return _JAX_KINDS
+
+
+class _NoSuchError(Exception):
+    """Never raised: what ``except tracer_error_type()`` catches while JAX is not imported."""
+
+
+def tracer_error_type() -> type:
+    """``TracerTransportError``, without importing JAX to name it where none can be raised."""
+    return _errors.TracerTransportError if "jax" in sys.modules else _NoSuchError
 
 __all__ = [
     "register",
@@ -82,15 +108,21 @@ def _raw(buf: np.ndarray) -> _Raw:
 
 def _reduce_array(x: Any):
     """copyreg reducer for ArrayImpl and PRNGKeyArray: out-of-band capable, sharding-aware."""
+    from . import _codec
+
     meta, buffers = _codec.encode(x)
     return _rebuild_array, (tuple(meta), *[_raw(b) for b in buffers])
 
 
 def _rebuild_array(meta: tuple, *raw: Any) -> Any:
+    from . import _codec
+
     return _codec.decode(meta, raw, current_placement())
 
 
 def _reduce_tracer(t: Any):
+    from ._tracers import tracer_error
+
     raise tracer_error(t, where="while pickling")
 
 
@@ -106,8 +138,17 @@ def register(placement: str = "device") -> None:
     array type, and a refusing reducer for every Tracer type defined now. ``placement`` is how
     this process materializes arrays it unpickles ("device", "host" or "preserve").
     Idempotent: calling it again only updates the placement. Undo with :func:`unregister`.
+
+    A Tracer then raises :class:`TracerTransportError` wherever it is pickled - which, for a
+    stock ``multiprocessing.Queue``, is its background feeder thread: ``q.put(tracer)`` returns
+    normally, the error is printed from that thread and the item is dropped (the consumer never
+    receives it). Call :func:`check_transportable` on the object before ``q.put`` to fail at the
+    call site, with the tracer's key path.
     """
     global _default_placement
+    from . import _codec
+    from ._tracers import tracer_types
+
     _codec.check_placement(placement)
     with _lock:
         _default_placement = placement
@@ -149,21 +190,26 @@ class _Pickler(cloudpickle.Pickler):
     _array_types = None
 
     def reducer_override(self, obj):
-        cls = type(obj)
-        if cls in _codec.concrete_array_types():
-            return _reduce_array(obj)
-        if isinstance(obj, Tracer):
-            raise tracer_error(obj, where="while pickling")
+        kinds = _JAX_KINDS or _jax_kinds()
+        if kinds is not None:
+            if type(obj) in kinds[0]:
+                return _reduce_array(obj)
+            if isinstance(obj, kinds[1]):
+                from ._tracers import tracer_error
+
+                raise tracer_error(obj, where="while pickling")
         return super().reducer_override(obj)
 
 
-def _with_path(err: TracerTransportError, obj: Any, root: str) -> TracerTransportError:
+def _with_path(err: Any, obj: Any, root: str) -> Any:
+    from ._tracers import find_tracer
+
     if err.path is not None:
         return err
     found = find_tracer(obj, root)
     if found is None:
         return err
-    return TracerTransportError(err.description, found[0] or "<root>", where=err.where)
+    return _errors.TracerTransportError(err.description, found[0] or "<root>", where=err.where)
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
@@ -185,7 +231,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     f = io.BytesIO()
     try:
         _Pickler(f, protocol=5, buffer_callback=callback).dump(obj)
-    except TracerTransportError as e:
+    except tracer_error_type() as e:
         raise _with_path(e, obj, "") from None
     return f.getvalue(), buffers
 
@@ -196,9 +242,44 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
     ``placement`` ("device", "host", "preserve") defaults to the one given to ``register()``,
     else "device". On CPU the arrays alias ``buffers`` where they are 64-byte aligned (no
     copy): do not modify or reuse those buffers while the arrays live.
+
+    Every array's metadata is checked against its buffers before anything is allocated: a
+    payload that does not fit (or ``data`` without all of its ``buffers``) raises
+    :class:`CorruptTransferError` naming what is wrong. A damaged pickle stream raises what
+    ``pickle.loads`` raises. Like any unpickling, ``loads`` runs code named by ``data``: only
+    load data from a peer you trust.
     """
-    token = _placement_override.set(_codec.check_placement(placement) if placement else None)
+    if placement:
+        from . import _codec
+
+        placement = _codec.check_placement(placement)
+    token = _placement_override.set(placement or None)
     try:
         return pickle.loads(data, buffers=buffers)
+    except pickle.UnpicklingError as e:
+        missing = _missing_buffers(data, buffers)
+        if missing is not None:
+            raise missing from e
+        raise
     finally:
         _placement_override.reset(token)
+
+
+def _missing_buffers(data: Any, buffers: Any) -> _errors.CorruptTransferError | None:
+    """The error to raise when ``data`` refers to more out-of-band buffers than were passed
+    (pickle only says "not enough out-of-band buffers"); None when that is not what happened.
+    Runs on the error path only: it walks the pickle's opcodes."""
+    try:
+        wanted = sum(1 for op, _, _ in pickletools.genops(data) if op.name == "NEXT_BUFFER")
+        given = len(buffers) if buffers is not None else 0
+    except Exception:
+        return None
+    if wanted <= given:
+        return None
+    return _errors.CorruptTransferError(
+        f"jaxtransport.loads: the data refers to {wanted} out-of-band buffers but "
+        f"{given} {'was' if given == 1 else 'were'} passed. Array data travels outside the "
+        "pickle: pass the buffers that jaxtransport.dumps returned along with the data, in the "
+        "same order: data, buffers = jaxtransport.dumps(obj); ...; "
+        "jaxtransport.loads(data, buffers)."
+    )

@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Iterator, Mapping
 
-__all__ = ["environ_overlay", "gpu_ids", "malloc_huge_pages", "worker_env"]
+__all__ = ["environ_overlay", "fork_refused", "gpu_ids", "malloc_huge_pages", "worker_env"]
 
 _ENVIRON_LOCK = threading.Lock()
 
@@ -34,6 +34,16 @@ def _apply(env: Mapping[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def fork_refused(what: str, knob: str = "start_method") -> str:
+    """Why ``what`` (jaxtransport.Pool, jaxtransport.multiprocessing) refuses the fork start method."""
+    return (
+        f"{what} refuses {knob}='fork': JAX runs threads (XLA's thread pools, the runtime) that "
+        "fork() does not copy, so a forked child that touches JAX can deadlock. Use "
+        f"{knob}='spawn' (the default) or 'forkserver'; functions defined in __main__ or a "
+        "notebook still work (they travel with cloudpickle)."
+    )
 
 
 _HUGETLB = "glibc.malloc.hugetlb"

@@ -17,43 +17,18 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _compat
 from ._errors import TracerTransportError
 
 __all__ = ["check_transportable", "find_tracer", "tracer_types", "describe_tracer", "tracer_error"]
 
 
-def _tracer_base() -> type:
-    try:
-        return jax.core.Tracer
-    except AttributeError:  # pragma: no cover - older/newer layouts
-        from jax._src.core import Tracer
-
-        return Tracer
-
-
-Tracer = _tracer_base()
-
-# Modules that define Tracer subclasses lazily; importing them makes ``tracer_types`` complete.
-_TRACER_MODULES = (
-    "jax._src.interpreters.partial_eval",
-    "jax._src.interpreters.ad",
-    "jax._src.interpreters.batching",
-    "jax._src.interpreters.remat",
-    "jax._src.shard_map",
-    "jax._src.checkify",
-    "jax._src.custom_derivatives",
-)
+Tracer = _compat.tracer_base()
 
 
 def tracer_types() -> list[type]:
     """Every Tracer class currently defined (jit, grad, vmap, shard_map, ... and user ones)."""
-    import importlib
-
-    for name in _TRACER_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # a module that moved in this JAX version: its class is elsewhere
-            pass
+    _compat.import_tracer_modules()  # modules that define Tracer subclasses lazily
     seen: list[type] = []
     stack = [Tracer]
     while stack:
@@ -72,22 +47,18 @@ _TRACE_NAMES = {
     "LinearizeTrace": "grad/linearize",
     "JaxprTrace": "partial evaluation (grad, linearize or remat)",
     "ShardMapTrace": "shard_map",
+    "RewriteTrace": "shard_map",  # shard_map's replication checker (jax < 0.5)
     "RematTrace": "remat/checkpoint",
     "CheckifyTrace": "checkify",
 }
 
 
 def _transformation(tracer: Any) -> str:
-    trace = getattr(tracer, "_trace", None)
-    name = type(trace).__name__ if trace is not None else type(tracer).__name__
+    name, traced_for, src = _compat.tracer_trace_info(tracer)
     if name == "DynamicJaxprTrace":
-        try:
-            dbg = trace.frame.debug_info
-            traced_for = getattr(dbg, "traced_for", None) or "jit"
-            src = getattr(dbg, "func_src_info", None)
-            return f"{traced_for} of {src}" if src else str(traced_for)
-        except Exception:
+        if traced_for is None and src is None:
             return "jit (or another staging transformation: scan, cond, while_loop)"
+        return f"{traced_for} of {src}" if src else str(traced_for)
     for key, label in _TRACE_NAMES.items():
         if name.startswith(key):
             return label
@@ -98,7 +69,7 @@ def describe_tracer(tracer: Any) -> str:
     """``'f32[3,4] tracer (weak_type) from jit of f at x.py:12'``-style summary."""
     aval = getattr(tracer, "aval", None)
     try:
-        shape = aval.str_short(short_dtypes=True)
+        shape = _compat.tracer_aval_str(aval)
     except Exception:
         shape = str(aval) if aval is not None else "<unknown shape>"
     weak = " (weak_type)" if getattr(aval, "weak_type", False) else ""

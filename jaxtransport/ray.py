@@ -86,13 +86,14 @@ except ImportError as _e:  # pragma: no cover - exercised in a fresh interpreter
 import jax
 import jax.errors
 
-from . import _codec, _procenv
+from . import _codec, _compat, _procenv
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
 from ._tracers import find_tracer, tracer_error, tracer_types
 
 __all__ = [
     "SETUP_HOOK",
+    "RayDefaultSerializationWarning",
     "init",
     "is_registered",
     "register",
@@ -173,14 +174,9 @@ _REAP_DELAYS = (0.005, 0.05, 0.5, 2.0)
 
 
 def _collect_jax_garbage() -> None:
-    try:
-        from jax._src.lib import _jax
+    from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 
-        _jax.collect_garbage()
-    except Exception:  # pragma: no cover - another jaxlib layout: a gc pass does the same
-        import gc
-
-        gc.collect(0)
+    collect_jax_garbage()
 
 
 def _reap_forever() -> None:
@@ -212,6 +208,110 @@ def _release_promptly(out: Any) -> None:
 
 def _refuse_tracer(t: Any) -> Any:
     raise tracer_error(t, where=_WHERE)
+
+
+# --------------------------------------------------------------------------------------------
+# Note [default-path warning]
+#
+# Registering only the driver (a plain ``ray.init()`` followed by :func:`register`) works, but
+# results computed in workers then come back through Ray's default serialization: JAX's own
+# ``__reduce__`` copies the data into the pickle stream (in-band), about half the speed of a
+# registered round trip, silently. So while this process is registered, the first jax.Array that
+# arrives here through Ray's default path raises a RayDefaultSerializationWarning naming the
+# fix (once per process).
+#
+# Detection, without patching JAX or Ray: JAX's own pickle of an ArrayImpl (and of a typed key
+# array, whose state holds one) names JAX's rebuild function (``_compat``); unpickling it looks
+# that global up, which raises the ``pickle.find_class`` audit event (PEP 578; the C unpickler
+# raises it too). An audit hook, installed by the first register() - audit hooks cannot be
+# removed, so it does nothing unless this process is registered - watches for that name and
+# checks that the unpickling runs inside Ray's deserializer
+# (``ray._private.serialization.SerializationContext._deserialize_pickle5_data``, which calls
+# ``pickle.loads`` directly: it is the Python frame right under the event). Both names are
+# probed when the hook is installed; where either is missing (another JAX or Ray layout),
+# detection is off and nothing is warned. Upstream: jax/_src/array.py (ArrayImpl.__reduce__),
+# ray/_private/serialization.py (_deserialize_pickle5_data). Cost: one Python call per audit
+# event in the process, returning at once unless the event is ``pickle.find_class``.
+
+_JAX_DEFAULT_REBUILD: tuple[str, str] | None = None  # set by _default_path_detectable()
+_RAY_DESERIALIZER = ("ray._private.serialization", "_deserialize_pickle5_data")
+_audit_installed = False
+_watch_default_path = False
+_default_path_warned = False
+
+
+class RayDefaultSerializationWarning(UserWarning):
+    """A jax.Array reached this process through Ray's default (in-band, copying) serialization
+    although jaxtransport is registered here: the process that sent it had not registered
+    jaxtransport (typically workers of a job started with a plain ``ray.init()``). Start Ray with
+    :func:`init`, or give the job :func:`runtime_env`. Shown once per process."""
+
+
+def _default_path_detectable() -> bool:
+    global _JAX_DEFAULT_REBUILD
+    try:
+        from ray._private import serialization as ray_serialization
+
+        _JAX_DEFAULT_REBUILD = _compat.jax_default_array_rebuild()
+        return _JAX_DEFAULT_REBUILD is not None and hasattr(
+            ray_serialization.SerializationContext, _RAY_DESERIALIZER[1])
+    except Exception:  # pragma: no cover - another layout: no detection
+        return False
+
+
+def _inside_ray_deserializer(frame: Any) -> bool:
+    for _ in range(16):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == _RAY_DESERIALIZER[1]
+                and frame.f_globals.get("__name__") == _RAY_DESERIALIZER[0]):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the caller of this function, of the first frame
+    outside Ray and jaxtransport (the user's ``ray.get``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("ray", "jaxtransport"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _on_default_path() -> None:
+    global _default_path_warned
+    if _default_path_warned or not _watch_default_path or not _inside_ray_deserializer(sys._getframe(2)):
+        return
+    _default_path_warned = True
+    warnings.warn(
+        "jaxtransport.ray: a jax.Array reached this process through Ray's default serialization "
+        "(JAX's own pickling: the data is copied into the pickle stream instead of travelling "
+        "out-of-band, about half the speed) although jaxtransport is registered here. The "
+        "process that sent it has not registered jaxtransport - typically a Ray worker of a "
+        "job started with a plain ray.init(), where only this driver called "
+        "jaxtransport.ray.register(). Fix: start Ray with jaxtransport.ray.init(...) instead of "
+        "ray.init(...), or pass runtime_env=jaxtransport.ray.runtime_env(...) to ray.init (or "
+        "to the job submission) so that every worker registers through the setup hook. "
+        "(Shown once per process.)",
+        RayDefaultSerializationWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "pickle.find_class" and _watch_default_path and args == _JAX_DEFAULT_REBUILD:
+        _on_default_path()
+
+
+def _watch_default_serialization(on: bool) -> None:
+    global _audit_installed, _watch_default_path
+    if on and not _audit_installed:
+        if not _default_path_detectable():
+            return
+        sys.addaudithook(_audit)
+        _audit_installed = True
+    _watch_default_path = on and _audit_installed
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +382,10 @@ def register(placement: str = "device") -> None:
     site, naming its key path (Note [tracer errors through Ray]).
 
     Registration is per process: results computed in workers only come back this way when the
-    workers registered too - start Ray with :func:`init` or :func:`runtime_env`.
+    workers registered too - start Ray with :func:`init` or :func:`runtime_env`. While this
+    process is registered, the first jax.Array that still arrives through Ray's default
+    (in-band, copying) serialization raises a :class:`RayDefaultSerializationWarning` naming
+    that fix (Note [default-path warning]).
     """
     global _placement
     _codec.check_placement(placement)
@@ -296,6 +399,7 @@ def register(placement: str = "device") -> None:
                 _saved[cls] = table.get(cls, _MISSING)
             ray.util.register_serializer(cls, serializer=serializer, deserializer=_deserialize)
         _patch_inspect()
+        _watch_default_serialization(True)
 
 
 def unregister() -> None:
@@ -311,6 +415,7 @@ def unregister() -> None:
                 table[cls] = previous
         _saved.clear()
         _unpatch_inspect()
+        _watch_default_serialization(False)
         _placement = _initial_placement()
 
 

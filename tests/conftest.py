@@ -140,3 +140,58 @@ def malloc_huge_pages_work() -> str | None:
     if lib != "glibc" or tuple(int(v) for v in version.split(".")[:2]) < (2, 35):
         return f"glibc.malloc.hugetlb needs glibc >= 2.35 (this is {lib} {version})"
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Version awareness: what this JAX has. A test needing something missing skips with the reason.
+
+
+def jax_version_str() -> str:
+    import jax
+
+    return f"jax {jax.__version__}"
+
+
+def dtype_missing(name: str) -> str | None:
+    """Why this JAX cannot hold arrays of dtype ``name`` (None when it can)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    try:
+        dt = np.dtype(jnp.dtype(name))
+        np.asarray(jax.device_put(np.zeros((2,), dt)))
+    except Exception as e:
+        return f"{jax_version_str()} has no dtype {name} ({type(e).__name__})"
+    return None
+
+
+def dtype_params(names) -> list:
+    """``names`` as pytest params, those this JAX lacks marked skip with the reason."""
+    out = []
+    for name in names:
+        why = dtype_missing(name)
+        out.append(pytest.param(name, id=name, marks=pytest.mark.skip(reason=why)) if why else name)
+    return out
+
+
+def weak_typed(x):
+    """``x`` as a weak-typed array (same dtype, same bits), asserted weak: the input of every
+    weak-type round-trip test. Uses jax's own ``_convert_element_type(weak_type=True)``, what
+    ``jnp`` calls for Python scalars (jax/_src/lax/lax.py; same signature from 0.4.30 to 0.12)."""
+    from jax._src.lax import lax as lax_internal
+
+    out = lax_internal._convert_element_type(x, x.dtype, weak_type=True)
+    assert out.weak_type, "could not make a weak-typed test input"
+    return out
+
+
+def shard_map(f, **kwargs):
+    """``jax.shard_map`` (jax >= 0.6), else ``jax.experimental.shard_map.shard_map`` (same
+    arguments): tracer detection under shard_map is tested on every version."""
+    import jax
+
+    fn = getattr(jax, "shard_map", None)
+    if fn is None:
+        from jax.experimental.shard_map import shard_map as fn
+    return fn(f, **kwargs)

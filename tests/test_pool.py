@@ -190,10 +190,14 @@ def test_jax_arrays_both_ways_bit_exact(pool, dtype):
 
 
 def test_weak_type_prng_keys_and_scalars(pool):
-    w = jnp.asarray(2.0) * jnp.ones(THRESH)  # weak-typed
+    w = jnp.full((THRESH,), 2.0)  # weak-typed: built from a Python scalar
+    s = jnp.asarray(0.5)  # a weak scalar (below the shared-memory threshold: pickled inline)
+    assert w.weak_type and s.weak_type
     key = jax.random.split(jax.random.key(1), THRESH // 4)
-    out = pool.apply(lambda a, k: (a, k, jax.random.key_data(k).shape), (w, key))
-    assert out[0].weak_type == w.weak_type and out[0].dtype == w.dtype
+    out = pool.apply(lambda a, k, b: (a, k, jax.random.key_data(k).shape, b, b * 2, a + 1), (w, key, s))
+    assert out[0].weak_type and out[0].dtype == w.dtype  # arguments and results stay weak
+    assert out[3].weak_type and out[4].weak_type and out[5].weak_type
+    np.testing.assert_array_equal(out[5], np.full(THRESH, 3.0, np.float32))
     assert jax.dtypes.issubdtype(out[1].dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(jax.random.key_data(out[1]), jax.random.key_data(key))
     assert out[2] == (THRESH // 4, 2)
@@ -331,13 +335,35 @@ def test_worker_jax_buffers_get_huge_pages():
             assert p.apply(_buffer_huge_kib, (64 << 20,)) == 0
 
 
-def test_round_robin_gpu_assignment():
-    gpus = ["0", "1", "2", "3"]
-    env = [_pool_env.worker_env(i, devices_per_worker=None, overrides=None, gpus=gpus) for i in range(5)]
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1", "2", "3", "0"]
-    env = [_pool_env.worker_env(i, devices_per_worker=2, overrides=None, gpus=gpus) for i in range(3)]
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0,1", "2,3", "0,1"]
-    one = _pool_env.worker_env(0, devices_per_worker=None, overrides={"XLA_PYTHON_CLIENT_PREALLOCATE": None}, gpus=["0"])
+_GPU_ENV_CODE = """
+import json
+from jaxtransport import _pool_env
+gpus = ["0", "1", "2", "3"]
+out = {
+    "one_each": [_pool_env.worker_env(i, devices_per_worker=None, overrides=None, gpus=gpus).get("CUDA_VISIBLE_DEVICES") for i in range(5)],
+    "two_each": [_pool_env.worker_env(i, devices_per_worker=2, overrides=None, gpus=gpus).get("CUDA_VISIBLE_DEVICES") for i in range(3)],
+    "single": _pool_env.worker_env(0, devices_per_worker=None, overrides={"XLA_PYTHON_CLIENT_PREALLOCATE": None}, gpus=["0"]),
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("platforms", ["", "cuda", "cuda,cpu", "cpu"])
+def test_round_robin_gpu_assignment(platforms):
+    """GPUs go round robin to workers unless JAX_PLATFORMS pins JAX to the CPU (then no
+    CUDA_VISIBLE_DEVICES is set). Runs in a fresh interpreter with JAX_PLATFORMS set as given
+    ("" = unset), so the answer does not depend on what this test process was started with."""
+    import json
+
+    proc = run_python(_GPU_ENV_CODE, env={"JAX_PLATFORMS": platforms})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if platforms == "cpu":
+        assert out["one_each"] == [None] * 5 and out["two_each"] == [None] * 3
+    else:
+        assert out["one_each"] == ["0", "1", "2", "3", "0"]
+        assert out["two_each"] == ["0,1", "2,3", "0,1"]
+    one = out["single"]
     assert "CUDA_VISIBLE_DEVICES" not in one and one["XLA_PYTHON_CLIENT_PREALLOCATE"] is None
 
 

@@ -534,6 +534,114 @@ def test_unregistered_driver_falls_back_to_rays_default(registered, monkeypatch)
     assert len(spy.calls) == 1
 
 
+@ray.remote
+class Unregistered:
+    """An actor whose process unregistered jaxtransport: what every worker of a job started
+    with a plain ``ray.init()`` is (its results use Ray's default serialization)."""
+
+    def __init__(self):
+        import jaxtransport.ray as jr_worker
+
+        jr_worker.unregister()
+
+    def make(self, n, key=False):
+        if key:
+            return {"k": jax.random.split(jax.random.key(n), 2)}
+        return jnp.arange(n, dtype=jnp.float32)
+
+
+def _default_path_warnings(record):
+    return [w for w in record if issubclass(w.category, jr.RayDefaultSerializationWarning)]
+
+
+@pytest.mark.ray
+def test_a_result_through_rays_default_path_warns_once_naming_the_fix(registered, monkeypatch):
+    monkeypatch.setattr(jr, "_default_path_warned", False)
+    actor = Unregistered.remote()
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            y = ray.get(actor.make.remote(1000))
+            np.testing.assert_array_equal(np.asarray(y), np.arange(1000, dtype=np.float32))
+            (w,) = _default_path_warnings(record)
+            msg = str(w.message)
+            assert "Ray's default serialization" in msg and "jaxtransport.ray.init(" in msg
+            assert "runtime_env=jaxtransport.ray.runtime_env(" in msg
+            assert w.filename == __file__, "the warning should point at the caller's ray.get"
+            # Once per process: neither another array nor a key array warns again.
+            ray.get(actor.make.remote(10))
+            ray.get(actor.make.remote(3, key=True))
+            assert len(_default_path_warnings(record)) == 1
+    finally:
+        ray.kill(actor)
+
+
+@pytest.mark.ray
+def test_default_path_warning_covers_key_arrays(registered, monkeypatch):
+    monkeypatch.setattr(jr, "_default_path_warned", False)
+    actor = Unregistered.remote()
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = ray.get(actor.make.remote(3, key=True))
+        assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
+        assert len(_default_path_warnings(record)) == 1
+    finally:
+        ray.kill(actor)
+
+
+@pytest.mark.ray
+def test_no_default_path_warning_for_registered_workers_or_an_unregistered_driver(registered, monkeypatch):
+    monkeypatch.setattr(jr, "_default_path_warned", False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ray.get(echo.remote(jnp.ones(100)))  # the workers ran the setup hook
+        # Not registered here: Ray's default path is what this driver asked for.
+        x = make("float32", (100,))
+        jr.unregister()
+        ray.get(ray.put(x))
+        # Plain pickling outside Ray while registered is not Ray's default path either.
+        jr.register("device")
+        import pickle
+
+        pickle.loads(pickle.dumps(x))
+    assert _default_path_warnings(record) == []
+    assert not jr._default_path_warned
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_plain_ray_init_and_a_driver_only_register_warns():
+    """The issue's setup, in a fresh interpreter: ray.init(num_cpus=2), then register() on the
+    driver only; a worker's jax.Array result warns once, naming the fix."""
+    code = (
+        "import warnings, json\n"
+        "import ray\n"
+        "ray.init(num_cpus=2, include_dashboard=False, runtime_env={'env_vars': {'JAX_PLATFORMS': 'cpu'}})\n"
+        "import jax.numpy as jnp, numpy as np, jaxtransport.ray as jr\n"
+        "jr.register()\n"
+        "@ray.remote\n"
+        "def f(n):\n"
+        "    return jnp.arange(n, dtype=jnp.float32)\n"
+        "with warnings.catch_warnings(record=True) as rec:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ys = [ray.get(f.remote(1 << 16)) for _ in range(3)]\n"
+        "ours = [str(w.message) for w in rec if w.category is jr.RayDefaultSerializationWarning]\n"
+        "ok = all(np.array_equal(np.asarray(y), np.arange(1 << 16, dtype=np.float32)) for y in ys)\n"
+        "ray.shutdown()\n"
+        "print('REPORT', json.dumps({'warnings': ours, 'ok': ok}))\n"
+    )
+    r = run_python(code, env={"JAX_PLATFORMS": "cpu"}, timeout=240)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
+    import json
+
+    report = json.loads(lines[-1][len("REPORT "):])
+    assert report["ok"]
+    assert len(report["warnings"]) == 1, report
+    assert "jaxtransport.ray.init(" in report["warnings"][0]
+
+
 @pytest.mark.ray
 def test_init_on_a_running_job_with_the_hook_does_not_warn(registered):
     with warnings.catch_warnings():

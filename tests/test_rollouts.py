@@ -27,11 +27,15 @@ TINY = ["--iterations", "2", "--envs", "4", "--steps", "16", "--frame-size", "24
         "--param-mb", "1", "--hidden", "16", "--warmup", "0"]
 
 
-def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 240, merged: bool = False) -> subprocess.CompletedProcess:
+    """The demo in a fresh interpreter, stdout and stderr to pipes (``merged``: one pipe, as
+    ``2>&1`` into a log does)."""
     environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     return subprocess.run(
         [sys.executable, "-m", "jaxtransport.rollouts", *args],
-        env=environ, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=environ, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True, timeout=timeout, cwd=ROOT,
     )
 
 
@@ -201,6 +205,9 @@ class _Inline:
     def release(self, handle):
         pass
 
+    def wait_ready(self):
+        pass
+
     def __enter__(self):
         return self
 
@@ -229,16 +236,74 @@ def test_return_improves_with_a_fixed_seed(monkeypatch):
 
 def test_cli_pool_compare_end_to_end():
     """Both transports on the Pool backend: the same learning curve bit for bit (the transport
-    changes nothing but the speed), and the report table."""
-    proc = _cli(*TINY, "--compare")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    changes nothing but the speed), and the report table. Output into a pipe (stdout and
+    stderr merged, as in a log): plain lines, exactly one per iteration (no progress-bar
+    frames repeating them), and the start-up is announced and timed before iteration 1."""
+    proc = _cli(*TINY, "--compare", merged=True)
     out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
     for needle in ("pool/stock", "pool/jaxtransport", "env steps/s", "transport share",
                    "speedup (env steps/s, jaxtransport over stock)"):
         assert needle in out, out
     assert "learning curves identical across transports: yes" in out, out
     assert _printed_returns(out) == 2 * _inline_returns(), out
-    assert "[##############################] 2/2" in proc.stderr  # the progress bar
+    lines = out.splitlines()
+    for n in (1, 2):  # one line per iteration and run, nothing else mentions "n/2"
+        assert sum(f"{n}/2" in line for line in lines) == 2, out
+    assert "\r" not in out and "\x1b" not in out and "[###" not in out, out
+    for run in ("stock", "jaxtransport"):
+        block = out.split(f"# pool/{run}:")[1]
+        starting = block.index("start-up: starting 2 worker processes and compiling")
+        done = block.index("start-up: done in")
+        assert starting < done < block.index("iter   1/2"), out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_only_when_every_stream_is_a_terminal(monkeypatch):
+    """On terminals the bar is redrawn in place on stderr and erased before each iteration
+    line; if either stream is not a terminal there is no bar at all."""
+    monkeypatch.setattr(backends, "make", _Inline)
+    cfg = rollouts.Config(workers=1, envs=2, steps=8, frame_size=16, param_mb=0.25, hidden=8,
+                          iterations=2)
+    out, err = _Terminal(), _Terminal()
+    rollouts.train(cfg, "stock", out=out, err=err)
+    assert "[##############################] 2/2" in err.getvalue()
+    assert err.getvalue().count("\r\x1b[2K") >= 2 and "\n" not in err.getvalue()[:-1]
+    for out, err in ((io.StringIO(), _Terminal()), (_Terminal(), io.StringIO())):
+        rollouts.train(cfg, "stock", out=out, err=err)
+        assert err.getvalue() == "", err.getvalue()
+        assert sum(line.startswith("iter ") for line in out.getvalue().splitlines()) == 2
+
+
+@pytest.mark.parametrize("transport", ["jaxtransport", "stock"])
+def test_cli_queue_backend_streams_and_reports_lag(transport):
+    """--backend queue: long-lived actors stream trajectories through a queue (the same code on
+    jaxtransport.multiprocessing and on multiprocessing); each update reports its off-policy
+    lag, the table its run."""
+    proc = _cli(*TINY, "--backend", "queue", "--transport", transport)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert f"| queue/{transport} |" in out, out
+    lags = re.findall(r"lag (\d+\.\d)", out)
+    assert len(lags) == 2 and all(float(x) >= 0 for x in lags), out
+    assert len(_printed_returns(out)) == 2
+
+
+def test_queue_backend_reports_a_dead_actor_instead_of_hanging():
+    """An actor killed while the learner waits for trajectories: map() raises naming it."""
+    import signal
+
+    params = policy.init(jax.random.key(0), 0.25, 8)
+    rows = params["table"].shape[0]
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        with backends.make("queue", "jaxtransport", 1, warm=(rows, 8, 2, 24, 8), timeout=120.0) as be:
+            os.kill(be._procs[0].pid, signal.SIGKILL)
+            version = be.broadcast(params)
+            be.map(version, [None])
 
 
 def test_cli_rejects_bad_flags():
@@ -250,16 +315,22 @@ def test_cli_rejects_bad_flags():
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_cli_ray_end_to_end():
-    """jaxtransport on a local Ray started by the demo (its own interpreter, so no Ray state is
-    shared with other tests): the learning curve is the one the loop gives in-process, to the
-    printed digit -- arrays crossed Ray's object store both ways unchanged."""
+    """Both transports on a local Ray started by the demo (its own interpreter, so no Ray state
+    is shared with other tests): the learning curve is the one the loop gives in-process, to
+    the printed digit -- arrays crossed Ray's object store both ways unchanged. Ray is started
+    once, before the demo initializes JAX, so nothing forks a process that runs JAX: JAX's
+    fork warning never appears (it did twice when each run started its own Ray)."""
     pytest.importorskip("ray")
-    proc = _cli(*TINY, "--backend", "ray", timeout=280)
+    proc = _cli(*TINY, "--backend", "ray", "--compare", timeout=560)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
-    assert "| ray/jaxtransport |" in out, out
-    assert _printed_returns(out) == _inline_returns(), out
+    assert "| ray/stock |" in out and "| ray/jaxtransport |" in out, out
+    assert "learning curves identical across transports: yes" in out, out
+    assert _printed_returns(out) == 2 * _inline_returns(), out
+    assert "os.fork()" not in proc.stderr and "deadlock" not in proc.stderr, proc.stderr
+    assert "start-up: starting 2 Ray actors" in out, out
 
 
 _RETURN = re.compile(r"^iter +\d+/\d+ +(return .*? episodes\))", re.M)

@@ -19,6 +19,7 @@ import json, pickle, sys
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding, PartitionSpec as P
 import jaxtransport as jt
+from jaxtransport._compat import is_committed
 assert jax.device_count() == 8
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
 base = jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12)
@@ -28,10 +29,13 @@ cases = {
     "y_cols": (NamedSharding(mesh, P(None, "y")), 4),
     "joint": (NamedSharding(mesh, P(("x", "y"))), 8),
     "replicated": (NamedSharding(mesh, P()), 1),
-    "pinned_host": (NamedSharding(mesh, P("x"), memory_kind="pinned_host"), 2),
     "single3": (SingleDeviceSharding(jax.devices()[3]), 1),
 }
 out, report = {}, {}
+try:  # the CPU backend has memory kinds from jax 0.4.31 on
+    cases["pinned_host"] = (NamedSharding(mesh, P("x"), memory_kind="pinned_host"), 2)
+except ValueError as e:
+    report["pinned_host"] = dict(missing=f"jax {jax.__version__}: no pinned_host memory on CPU ({e})")
 for name, (sharding, unique) in cases.items():
     x = jax.device_put(base, sharding)
     data, bufs = jt.dumps(x)
@@ -44,7 +48,7 @@ for name, (sharding, unique) in cases.items():
     report[name]["equal"] = bool((np.asarray(y) == np.asarray(base)).all())
     report[name]["memory_kind"] = y.sharding.memory_kind
     d = jt.loads(data, bufs, placement="device")
-    report[name]["device_single"] = len(d.sharding.device_set) == 1 and not d.committed
+    report[name]["device_single"] = len(d.sharding.device_set) == 1 and not is_committed(d)
     report[name]["device_equal"] = bool((np.asarray(d) == np.asarray(base)).all())
     h = jt.loads(data, bufs, placement="host")
     report[name]["host_equal"] = type(h) is np.ndarray and bool((h == np.asarray(base)).all())
@@ -68,6 +72,7 @@ RECEIVER = r"""
 import json, pickle, warnings
 import numpy as np, jax
 import jaxtransport as jt
+from jaxtransport._compat import is_committed
 cases = pickle.load(open(PATH, "rb"))
 report = {}
 for name, (data, bufs) in cases.items():
@@ -77,7 +82,7 @@ for name, (data, bufs) in cases.items():
     shards = y.sharding
     report[name] = dict(
         ndev=len(shards.device_set),
-        committed=bool(y.committed),
+        committed=is_committed(y),
         warnings=[str(x.message) for x in w if issubclass(x.category, jt.PlacementFallbackWarning)],
         sharding=repr(shards),
     )
@@ -97,6 +102,8 @@ def sender(tmp_path_factory):
 def test_unique_shards_and_preserve_in_process(sender, name):
     _, report = sender
     r = report[name]
+    if "missing" in r:
+        pytest.skip(r["missing"])
     assert r["buffers"] == r["expected_unique"], "shipped more than the unique shards"
     assert r["nbytes"] == r["expected_unique"] * (8 * 12 * 4) // (
         {"xy": 8, "x": 2, "y_cols": 4, "joint": 8, "replicated": 1, "pinned_host": 2, "single3": 1}[name]
@@ -119,6 +126,8 @@ def test_preserve_in_another_process_with_the_devices(sender):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("xy", "x", "y_cols", "joint", "replicated", "pinned_host", "keys"):
+        if name not in report:  # a memory kind this jax lacks (test_unique_shards_... says why)
+            continue
         assert report[name]["ndev"] == 8 and not report[name]["warnings"], (name, report[name])
         assert report[name]["committed"]
     assert report["single3"]["ndev"] == 1 and report["single3"]["committed"]
@@ -142,6 +151,9 @@ import json, pickle
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 import jaxtransport as jt
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # jax < 0.6
+    from jax.experimental.shard_map import shard_map
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
 seen = {}
 def body(block):
@@ -154,7 +166,7 @@ def body(block):
             seen[how] = dict(type=type(e).__name__, path=getattr(e, "path", None), msg=str(e))
     return block * 2
 jt.register()
-out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y")))(jnp.ones((4, 8)))
+out = jax.jit(shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y")))(jnp.ones((4, 8)))
 jt.unregister()
 print(json.dumps(dict(seen=seen, ok=bool((out == 2).all()))))
 """

@@ -50,12 +50,52 @@ Files:
 - ``_wire``      -- pickles with large arrays moved to shared memory (encode/decode)
 - ``_worker``    -- the worker process's loop
 - ``_results``   -- ``AsyncResult``/``MapResult``/``IMapIterator`` and the callback thread
+- ``_executor``  -- ``Executor``, the ``concurrent.futures`` face over a ``Pool``
 """
 
-from ._facade import Pool as Pool
-from ._results import AsyncResult as AsyncResult
-from ._results import IMapIterator as IMapIterator
-from ._results import MapResult as MapResult
-from ._trees import SharedTree as SharedTree
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
+# Imported on first access (PEP 562): a worker process imports ``jaxtransport.pool._worker``
+# without the parent's machinery (and without JAX).
+_PUBLIC = {
+    "Executor": "._executor",
+    "get_reusable_executor": "._executor",
+    "shutdown_reusable_executor": "._executor",
+    "Pool": "._facade",
+    "SharedTree": "._trees",
+    "AsyncResult": "._results",
+    "IMapIterator": "._results",
+    "MapResult": "._results",
+}
+
+if TYPE_CHECKING:
+    from ._executor import Executor as Executor
+    from ._executor import get_reusable_executor as get_reusable_executor
+    from ._executor import shutdown_reusable_executor as shutdown_reusable_executor
+    from ._facade import Pool as Pool
+    from ._trees import SharedTree as SharedTree
+    from ._results import AsyncResult as AsyncResult
+    from ._results import IMapIterator as IMapIterator
+    from ._results import MapResult as MapResult
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "AsyncResult",
+    "Executor",
+    "IMapIterator",
+    "MapResult",
+    "Pool",
+    "SharedTree",
+    "get_reusable_executor",
+    "shutdown_reusable_executor",
+]

@@ -56,16 +56,17 @@ def _register_atexit() -> None:
 def _dumps_in_band(obj: Any) -> bytes:
     import io
 
-    from .._pickling import _Pickler
+    from .._usercode import Pickler
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5).dump(obj)
+    Pickler(f, protocol=5).dump(obj)
     return f.getvalue()
 
 
 class Engine:
     def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
-                 shm_threshold, placement, worker_env, shm_capacity, devices_per_worker, tree_type):
+                 shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
+                 tree_type, results_reserve: int = 0):
         from ._manager import Manager
 
         self.ctx = multiprocessing.get_context(start_method)
@@ -79,10 +80,9 @@ class Engine:
         self.devices_per_worker = devices_per_worker
         self.gpus = _procenv.gpu_ids()
         self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
-        # Default shared memory: half the free memory for the pool as a whole, half of that for
-        # the parent (arguments, shared trees), the other half split among the workers (results).
-        self.worker_capacity = shm_capacity or _shm.default_capacity(0.5 / processes)
-        self.arena = _shm.Arena(shm_capacity or _shm.default_capacity(0.5), label="the pool's parent process")
+        self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
+        self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
+        self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
         self.lock = threading.RLock()
@@ -134,7 +134,7 @@ class Engine:
         config = {
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
             "capacity": self.worker_capacity, "initializer": self.init_blob,
-            "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S,
+            "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
         }
         return start_worker(self.ctx, start_method=self.start_method, index=index,
                             serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks)

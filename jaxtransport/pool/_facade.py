@@ -2,8 +2,9 @@
 
 What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
 
-- Functions, lambdas and closures travel with cloudpickle (``__main__``/notebook code works under
-  spawn). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
+- Functions, lambdas and closures travel with cloudpickle; ``__main__`` code keeps the stock
+  pool's module semantics (one namespace per worker shared by the initializer and every task:
+  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
   process that has JAX initialised and is refused. Workers start with
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's ``JAX_PLATFORMS`` and, on multi-GPU
   hosts, their own ``CUDA_VISIBLE_DEVICES``.
@@ -31,7 +32,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from . import _wire
-from .. import _codec
+from .. import _codec, _procenv, _shm
 from .._errors import PoolStateError
 from .._tracers import find_tracer
 from ._engine import Engine, terminate_unreferenced
@@ -66,6 +67,15 @@ class Pool:
         never the out-of-memory killer. ``imap`` submits only a bounded number of chunks ahead
         of its consumer, so a slow consumer makes workers wait instead of filling it.
       devices_per_worker: GPUs per worker on multi-GPU hosts (default 1), assigned round-robin.
+      shm_reserve: bytes of shared memory to make ready while the workers start, so that the
+        first large transfers pay no page faults: an int ``n`` reserves one slot for an array of
+        up to ``n`` bytes in the parent (task arguments) and one in each worker (results); a
+        pair ``(arguments, results)`` sizes them apart (0 skips a side). Arrays up to twice
+        smaller use the same slot, larger ones grow it. Memory cost, held until the pool ends:
+        ``arguments + processes * results`` bytes, rounded up to the next size class (at most
+        25% more), allocated at once (a new 4 KiB page costs ~1 s/GiB to fault in, on threads
+        off your call's path). Within shm_capacity, else ValueError; a system without the
+        memory raises ShmCapacityError from the first call that needs memory.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received
@@ -85,14 +95,10 @@ class Pool:
         worker_env: dict | None = None,
         shm_capacity: int | None = None,
         devices_per_worker: int | None = None,
+        shm_reserve: int | tuple[int, int] | None = None,
     ):
         if start_method == "fork":
-            raise ValueError(
-                "jaxtransport.Pool refuses start_method='fork': JAX runs threads (XLA's thread "
-                "pools, the runtime) that fork() does not copy, so a forked child that touches JAX "
-                "can deadlock. Use start_method='spawn' (the default) or 'forkserver'; functions "
-                "defined in __main__ or a notebook still work (they travel with cloudpickle)."
-            )
+            raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         if start_method not in multiprocessing.get_all_start_methods():
@@ -119,13 +125,32 @@ class Pool:
                 "of another Pool (daemonic processes may not have children). Run the nested work "
                 "in the task itself, or return it to the parent and submit it to the outer pool."
             )
+        args_reserve, results_reserve = _reserve_sizes(shm_reserve)
+        # Default: half the free memory for the pool as a whole, half of that for the parent
+        # (arguments, shared trees), the other half split among the workers (results).
+        capacity = shm_capacity or _shm.default_capacity(0.5)
+        worker_capacity = shm_capacity or _shm.default_capacity(0.5 / processes)
+        for side, n, cap in (("arguments", args_reserve, capacity), ("results", results_reserve, worker_capacity)):
+            if n and _shm.size_class(n) > cap:
+                raise ValueError(
+                    f"shm_reserve asks for {n} bytes ({_shm._fmt(n)}) for {side}, more than "
+                    f"shm_capacity={cap} ({_shm._fmt(cap)}) allows per process. Lower "
+                    "shm_reserve or raise shm_capacity."
+                )
         self._processes = processes
         self._state = Engine(
             processes=processes, initializer=initializer, initargs=tuple(initargs),
             maxtasksperchild=maxtasksperchild, start_method=start_method,
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
-            shm_capacity=shm_capacity, devices_per_worker=devices_per_worker, tree_type=SharedTree,
+            shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
+            tree_type=SharedTree, results_reserve=results_reserve,
         )
+        if args_reserve:
+            try:
+                self._state.arena.reserve(args_reserve)
+            except BaseException:
+                self._state.terminate()
+                raise
         self._finalizer = weakref.finalize(self, terminate_unreferenced, self._state)
         self._finalizer.atexit = False  # at exit the atexit hook terminates it, silently
 
@@ -279,6 +304,19 @@ class Pool:
     def __reduce__(self):
         raise NotImplementedError(
             "pool objects cannot be passed between processes or pickled (as multiprocessing.Pool)")
+
+
+def _reserve_sizes(shm_reserve) -> tuple[int, int]:
+    """``Pool(shm_reserve=...)`` as (argument bytes, result bytes per worker)."""
+    if shm_reserve is None:
+        return 0, 0
+    pair = shm_reserve if isinstance(shm_reserve, tuple) else (shm_reserve, shm_reserve)
+    if len(pair) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pair):
+        raise ValueError(
+            "shm_reserve must be a non-negative int (bytes, for arguments and for each worker's "
+            f"results) or a pair (argument bytes, result bytes), got {shm_reserve!r}"
+        )
+    return pair
 
 
 def _prepare_lazily(state: Engine, func, source, chunksize: int):

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import threading
 import types
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import _codec, _pickling
+from .. import _errors, _pickling, _usercode
 from . import _protocol
-from .._errors import CorruptTransferError, ShmHandleError, TracerTransportError
+from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
@@ -104,20 +105,27 @@ def _route_tree(obj):
 
 
 _ROUTES: dict = {}
+_ROUTES_JAX = False  # whether _ROUTES has JAX's array types (only once JAX is imported)
 
 
 def _routes(tree_type: type | None) -> dict:
+    global _ROUTES_JAX
     if not _ROUTES:
+        _ROUTES[np.ndarray] = _route_np
+    if not _ROUTES_JAX and "jax" in sys.modules:  # no jax.Array exists before JAX is imported
+        from .. import _codec
+
         for t in _codec.concrete_array_types():
             _ROUTES[t] = _route_jax
-        _ROUTES[np.ndarray] = _route_np
+        _ROUTES_JAX = True
     if tree_type is not None and tree_type not in _ROUTES:
         _ROUTES[tree_type] = _route_tree
     return _ROUTES
 
 
-class _Encoder(_pickling._Pickler):
-    """cloudpickle (lambdas, closures, ``__main__`` code by value) + jaxtransport reducers,
+class _Encoder(_usercode.Pickler):
+    """cloudpickle (lambdas, closures; ``__main__`` code as Note [user code] in ``_usercode``
+    says) + jaxtransport reducers,
     routed through a :class:`_Router` in ``reducer_override`` (which pickle does not call for
     exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
 
@@ -165,13 +173,15 @@ def _fast_table(tree_type: type | None) -> dict:
     global _TABLE, _TABLE_KEY
     import copyreg
 
-    key = (len(copyreg.dispatch_table), tree_type)
+    jax_loaded = "jax" in sys.modules
+    key = (len(copyreg.dispatch_table), tree_type, jax_loaded)
     if key != _TABLE_KEY:
-        from .._tracers import tracer_types
-
         table = dict(copyreg.dispatch_table)
-        for t in tracer_types():
-            table[t] = _refuse_fast
+        if jax_loaded:  # no Tracer exists before JAX is imported
+            from .._tracers import tracer_types
+
+            for t in tracer_types():
+                table[t] = _refuse_fast
         table.update(_routes(tree_type))
         _TABLE, _TABLE_KEY = table, key
     return _TABLE
@@ -190,7 +200,7 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
     p.dispatch_table = _fast_table(router.tree_type)
     try:
         p.dump(obj)
-    except TracerTransportError:
+    except _pickling.tracer_error_type():
         raise
     except Exception:
         return None
@@ -276,10 +286,10 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
         buf = io.BytesIO()
         try:
             _Encoder(buf, router).dump(obj)
-        except TracerTransportError as e:
+        except _pickling.tracer_error_type() as e:
             path = locate() if (locate is not None and e.path is None) else None
             if path is not None:
-                raise TracerTransportError(e.description, path, where=e.where) from None
+                raise _errors.TracerTransportError(e.description, path, where=e.where) from None
             raise
         return Prepared(buf.getvalue(), router.found, router.trees)
     finally:
@@ -317,6 +327,8 @@ def commit(
                 np.copyto(dst, src.reshape(-1).view(np.uint8))
                 entries.append(("np", x.dtype, x.shape, tuple(handle)))
             else:
+                from .. import _codec
+
                 meta, bufs = _codec.encode(x)
                 layout, total = [], 0
                 for b in bufs:
@@ -356,6 +368,8 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
         return None
     if kind == "np":
         return ("ref", "np", (x.dtype, x.shape), tuple(h))
+    from .. import _codec
+
     try:
         meta, bufs = _codec.encode(x)
     except Exception:
@@ -409,7 +423,14 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
         if off < 0 or n < 0 or off + n > handle[2]:
             raise ShmHandleError(f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)")
         bufs.append(raw[off : off + n])
-    return _codec.decode(meta, bufs, placement)
+    from .. import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
+
+    try:
+        return _codec.decode(meta, bufs, placement)
+    except Exception as e:
+        if isinstance(e, _codec.CorruptTransferError):
+            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
+        raise
 
 
 def decode(

@@ -95,6 +95,12 @@ class _Worker:
         self.placement = cfg["placement"]
         self.threshold = cfg["threshold"]
         self.arena = _shm.Arena(cfg["capacity"], label=f"pool worker {os.getpid()}")
+        if cfg.get("reserve"):
+            # Pool(shm_reserve=...): segments for results, made while this worker starts.
+            try:
+                self.arena.reserve(cfg["reserve"])
+            except BaseException as e:  # noqa: BLE001 - the first result that needs memory raises it
+                self.arena.reserve_error = e
         self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
         self.trees: dict[int, tuple] = {}  # id -> (data, entries)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import time
 from typing import Any, Sequence
 
 from . import _worker as worker
 from .._procenv import environ_overlay
 
-BACKENDS = ("pool", "ray")
+BACKENDS = ("pool", "ray", "queue")
 TRANSPORTS = ("jaxtransport", "stock")
 
 # What every worker process gets, whichever backend and transport: JAX on the host CPU unless
@@ -47,6 +49,12 @@ def worker_env(workers: int) -> dict[str, str]:
     return env
 
 
+def _probe(seconds: float) -> int:
+    """A task that says which worker ran it (see ``_PoolBackend.wait_ready``)."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def _warm_up(env: dict[str, str], warm: tuple | None) -> None:
     """Pool initializer: set the worker environment (before this process first uses JAX), then
     compile the rollout for this run's shapes, so every worker pays compilation while the pool
@@ -69,6 +77,11 @@ class Backend:
 
     def release(self, handle: Any) -> None:
         pass
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started and compiled the rollout (its start-up), so
+        that the first timed iteration measures transport, not process start and compilation.
+        Raises TimeoutError after the task timeout."""
 
     def close(self) -> None:
         """Stop the workers after the tasks in flight (none, between iterations)."""
@@ -101,6 +114,7 @@ class _PoolBackend(Backend):
 
     name: str
     timeout: float
+    workers: int
     _pool: Any
 
     def map(self, handle, tasks):
@@ -109,6 +123,20 @@ class _PoolBackend(Backend):
             return res.get(self.timeout)
         except multiprocessing.TimeoutError:
             raise _timeout_error(self.name, self.timeout) from None
+
+    def wait_ready(self):
+        # A worker takes tasks only after its initializer (start-up and compilation) has run:
+        # once every worker's pid has answered a probe, all of them are ready. A probe lasts
+        # long enough that a ready worker cannot take every probe of a round by itself.
+        deadline = time.monotonic() + self.timeout
+        seen: set[int] = set()
+        while len(seen) < self.workers:
+            left = deadline - time.monotonic()
+            res = self._pool.map_async(_probe, [0.05] * self.workers, chunksize=1)
+            try:
+                seen.update(res.get(max(left, 0.001)))
+            except multiprocessing.TimeoutError:
+                raise _timeout_error(self.name, self.timeout) from None
 
     def close(self):
         self._pool.close()
@@ -124,7 +152,7 @@ class StockPool(_PoolBackend):
 
     def __init__(self, workers: int, warm: tuple | None, timeout: float):
         self.name = "pool/stock"
-        self.timeout = timeout
+        self.timeout, self.workers = timeout, workers
         ctx = multiprocessing.get_context("spawn")
         env = worker_env(workers)
         with environ_overlay(env):  # spawned workers start with the parent's environment
@@ -139,7 +167,7 @@ class JaxtransportPool(_PoolBackend):
 
     def __init__(self, workers: int, warm: tuple | None, timeout: float):
         self.name = "pool/jaxtransport"
-        self.timeout = timeout
+        self.timeout, self.workers = timeout, workers
         from ..pool import Pool  # jaxtransport.Pool
 
         env = worker_env(workers)
@@ -156,28 +184,45 @@ class JaxtransportPool(_PoolBackend):
 class RolloutWorker:
     """A Ray actor running rollouts: one per worker, each on its own CPU, compiled once at
     start (as the Pool's initializer does), reused every iteration -- how Ray RL libraries run
-    their rollout workers."""
+    their rollout workers.
 
-    def __init__(self, env: dict[str, str], warm: tuple | None):
+    In a session started with ``jaxtransport.ray.init`` the job's setup hook registered
+    jaxtransport in this worker process; an actor of a ``"stock"`` run undoes that first
+    (``unregister()`` restores Ray's own serializers exactly), so its results travel the way
+    they do without jaxtransport."""
+
+    def __init__(self, env: dict[str, str], warm: tuple | None, transport: str = "jaxtransport"):
+        if transport == "stock":
+            jt_ray = sys.modules.get("jaxtransport.ray")
+            if jt_ray is not None and jt_ray.is_registered():
+                jt_ray.unregister()
         _warm_up(env, warm)
+
+    def ready(self) -> int:
+        return os.getpid()
 
     def rollout(self, params, carry, key, frame_size: int, steps: int):
         return worker.rollout(params, carry, key, frame_size, steps)
 
 
-class RayBackend(Backend):
-    """Ray actors (:class:`RolloutWorker`); the parameters ``ray.put`` once per iteration and
-    passed by reference to every actor.
+class RaySession:
+    """One Ray connection for a whole demo: both transports of ``--compare`` run on it.
 
-    ``transport="jaxtransport"`` starts (or joins) Ray with ``jaxtransport.ray.init``: the
-    serializers are registered in the driver and, through the job's setup hook, in every
-    worker. ``"stock"`` uses ``ray.init`` as is (JAX's own pickling). ``address=None`` starts a
-    local Ray with ``num_cpus=workers`` that ``close()`` shuts down again.
+    Start it before this process initializes JAX: starting a local Ray forks its services
+    from this process (``subprocess`` with a ``preexec_fn``), and forking a process whose JAX
+    runtime threads are running is what JAX warns about ("os.fork() was called ... will likely
+    lead to a deadlock"). Ray is therefore started once, by ``main`` before any JAX work, and
+    not again for the second transport.
+
+    With ``"jaxtransport"`` among ``transports`` Ray is started with ``jaxtransport.ray.init``:
+    the job's setup hook registers jaxtransport in every worker, and :meth:`use` registers or
+    unregisters it in this driver for each run (stock actors unregister themselves, see
+    :class:`RolloutWorker`). Otherwise ``ray.init`` as is. ``address=None`` starts a local Ray
+    with ``num_cpus=workers``; :meth:`close` shuts the connection (and a local Ray) down.
     """
 
-    def __init__(self, workers: int, transport: str, address: str | None, timeout: float,
-                 warm: tuple | None = None, cpu_wait_s: float = 120.0):
-        self.timeout = timeout
+    def __init__(self, workers: int, address: str | None = None,
+                 transports: Sequence[str] = ("jaxtransport",), cpu_wait_s: float = 120.0):
         try:
             import ray
         except ImportError as exc:
@@ -185,7 +230,6 @@ class RayBackend(Backend):
                 "--backend ray needs Ray: pip install 'jaxtransport[ray]' (or use --backend pool)"
             ) from exc
         self._ray = ray
-        self.name = f"ray/{transport}"
         if ray.is_initialized():
             raise RuntimeError(
                 "the rollouts demo starts its own Ray connection, but ray.init() was already "
@@ -202,7 +246,7 @@ class RayBackend(Backend):
         else:
             kwargs.update(num_cpus=workers, include_dashboard=False)
         self._jt_ray = None
-        if transport == "jaxtransport":
+        if "jaxtransport" in transports:
             from .. import ray as jt_ray
 
             self._jt_ray = jt_ray
@@ -212,12 +256,67 @@ class RayBackend(Backend):
         try:
             if address is not None:
                 _wait_for_cpus(ray, workers, timeout=cpu_wait_s)
-            actor = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
-            env = worker_env(workers)
-            self._actors = [actor.remote(env, warm) for _ in range(workers)]
         except BaseException:
             self.close()
             raise
+
+    def use(self, transport: str) -> None:
+        """Set this driver's serializers for a run with ``transport``."""
+        if transport == "jaxtransport":
+            if self._jt_ray is None:
+                raise ValueError("this RaySession was started without jaxtransport: pass "
+                                 "transports=('jaxtransport', ...)")
+            self._jt_ray.register()
+        elif self._jt_ray is not None:
+            self._jt_ray.unregister()
+
+    def close(self) -> None:
+        try:
+            self._ray.shutdown()
+        finally:
+            if self._jt_ray is not None:
+                self._jt_ray.unregister()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class RayBackend(Backend):
+    """Ray actors (:class:`RolloutWorker`); the parameters ``ray.put`` once per iteration and
+    passed by reference to every actor.
+
+    Runs on ``session`` (a :class:`RaySession`) when given, else starts its own for this
+    transport, which ``close()`` shuts down again; ``close()`` always kills this run's actors.
+    """
+
+    def __init__(self, workers: int, transport: str, address: str | None, timeout: float,
+                 warm: tuple | None = None, cpu_wait_s: float = 120.0,
+                 session: RaySession | None = None):
+        self.timeout = timeout
+        self.name = f"ray/{transport}"
+        self._own = session is None
+        self._session = session or RaySession(workers, address, (transport,), cpu_wait_s)
+        self._ray = self._session._ray
+        self._actors: list = []
+        try:
+            self._session.use(transport)
+            actor = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
+                RolloutWorker)
+            env = worker_env(workers)
+            self._actors = [actor.remote(env, warm, transport) for _ in range(workers)]
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_ready(self):
+        refs = [a.ready.remote() for a in self._actors]
+        try:
+            self._ray.get(refs, timeout=self.timeout)
+        except self._ray.exceptions.GetTimeoutError:
+            raise _timeout_error(self.name, self.timeout) from None
 
     def broadcast(self, params):
         return self._ray.put(params)
@@ -235,19 +334,177 @@ class RayBackend(Backend):
 
     def close(self):
         try:
-            self._ray.shutdown()
+            if self._ray.is_initialized():
+                for a in self._actors:
+                    self._ray.kill(a)
         finally:
-            if self._jt_ray is not None:
-                self._jt_ray.unregister()
+            self._actors = []
+            if self._own:
+                self._session.close()
+
+
+_READY = "ready"  # an actor's first message: started and compiled
+
+
+def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
+               shape: tuple, max_lag: int = 1) -> None:
+    """A streaming actor (``--backend queue``): steps its environments continuously, puts each
+    trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
+    the newest parameters the learner published (``params_q``) before each rollout. It runs at
+    most ``1 + max_lag`` rollouts with one parameter version, then waits for a newer one (so the
+    learner's data is at most ``max_lag`` updates old, and actors keep stepping while the
+    learner updates). ``None`` on ``params_q`` stops it."""
+    import queue as _queue
+
+    _warm_up(env, warm)
+    import jax
+
+    envs, frame_size, steps = shape
+    base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
+    carry = worker.initial_carry(jax.random.fold_in(base, 0), envs)
+    traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
+    item = params_q.get()
+    n = used = 0
+    while item is not None:
+        version, params = item
+        while True:  # the newest parameters published so far; older ones are dropped
+            try:
+                newer = params_q.get_nowait()
+            except _queue.Empty:
+                if used <= max_lag:
+                    break
+                newer = params_q.get()  # this version is used up: wait for the next
+            if newer is None:
+                return
+            version, params = newer
+            used = 0
+        traj, carry, compute = worker.rollout(params, carry, jax.random.fold_in(base, n + 1), frame_size, steps)
+        n += 1
+        used += 1
+        traj_q.put((traj, carry, compute, version))
+        del traj
+        item = (version, params)
+
+
+class QueueBackend(Backend):
+    """Long-lived actor processes streaming trajectories through a queue (IMPALA/Sebulba style):
+    actors never wait for the learner's update, they use the newest parameters they have.
+
+    ``broadcast(params)`` publishes a new parameter version to every actor's parameter queue;
+    ``map(version, tasks)`` takes the next ``len(tasks)`` trajectories from the shared
+    trajectory queue, whichever actors made them, and returns ``(trajectory, carry, compute_s,
+    lag)`` with ``lag`` = versions between the parameters that produced it and ``version``
+    (the off-policy lag). The trajectory queue is bounded (one per actor): actors that outrun
+    the learner wait. ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
+    ``"stock"`` the same code on ``multiprocessing`` (spawn).
+    """
+
+    def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
+                 seed: int = 0, shape: tuple | None = None):
+        if transport == "jaxtransport":
+            from .. import multiprocessing as jmp
+
+            ctx = jmp.get_context("spawn")
+        else:
+            ctx = multiprocessing.get_context("spawn")
+        if shape is None:
+            if warm is None:
+                raise ValueError("--backend queue needs the rollout shapes (envs, frame_size, steps)")
+            shape = tuple(warm[2:5])
+        self.name = f"queue/{transport}"
+        self.timeout = timeout
+        self._version = 0
+        env = worker_env(workers)
+        self._traj = ctx.Queue(workers)
+        self._params = [ctx.Queue() for _ in range(workers)]
+        self._procs = []
+        try:
+            with environ_overlay(env):
+                for i in range(workers):
+                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape),
+                                    daemon=True, name=f"jaxtransport-rollouts-actor-{i}")
+                    p.start()
+                    self._procs.append(p)
+        except BaseException:
+            self.terminate()
+            raise
+
+    def broadcast(self, params):
+        self._version += 1
+        for q in self._params:
+            q.put((self._version, params))
+        return self._version
+
+    def wait_ready(self):
+        self._take(len(self._procs), ready=True)
+
+    def map(self, handle, tasks):
+        return [(traj, carry, compute, handle - version)
+                for traj, carry, compute, version in self._take(len(tasks), ready=False)]
+
+    def _take(self, n: int, ready: bool) -> list:
+        """The next ``n`` trajectories (``ready``: the actors' ready messages) from the shared
+        queue, raising when an actor died or the task timeout passes."""
+        import queue as _queue
+        import time
+
+        deadline = time.monotonic() + self.timeout
+        out = []
+        while len(out) < n:
+            try:
+                item = self._traj.get(timeout=1.0)
+            except _queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(
+                        f"{self.name}: rollout actor {dead[0].name} (pid {dead[0].pid}) exited with code "
+                        f"{dead[0].exitcode}: check its output above") from None
+                if time.monotonic() > deadline:
+                    raise _timeout_error(self.name, self.timeout) from None
+                continue
+            if item == _READY:
+                if ready:
+                    out.append(item)
+                continue
+            if ready:
+                raise RuntimeError(f"{self.name}: a trajectory arrived before every actor was ready")
+            out.append(item)
+        return out
+
+    def _stop(self, grace: float) -> None:
+        for q in self._params:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        import queue as _queue
+        import time
+
+        deadline = time.monotonic() + grace
+        while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+            try:  # actors waiting to put a trajectory must get through to see the stop
+                self._traj.get(timeout=0.1)
+            except (_queue.Empty, Exception):  # noqa: BLE001
+                pass
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        for q in self._params + [self._traj]:
+            q.cancel_join_thread()
+            q.close()
+
+    def close(self):
+        self._stop(30.0)
+
+    def terminate(self):
+        self._stop(0.0)
 
 
 def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
     """On an existing cluster, wait (up to ``timeout`` s) until it offers ``workers`` CPUs:
     worker nodes that are still joining (``docker compose up``) would otherwise leave the tasks
     pending. Fewer CPUs after the wait: run anyway (tasks queue), with a note; none: an error."""
-    import sys
-    import time
-
     deadline = time.monotonic() + timeout
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < workers:
@@ -268,10 +525,13 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
-         warm: tuple | None = None, timeout: float = 600.0) -> Backend:
-    """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets Pool
-    workers compile the rollout while they start. ``timeout``: seconds one iteration's tasks
-    may take before ``map`` raises ``TimeoutError`` instead of waiting forever."""
+         warm: tuple | None = None, timeout: float = 600.0,
+         session: RaySession | None = None, seed: int = 0) -> Backend:
+    """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
+    compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
+    before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray
+    connection to run on (``--backend ray``; default: the backend starts its own). ``seed``:
+    the streaming actors' environment seeds (``--backend queue``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if transport not in TRANSPORTS:
@@ -281,7 +541,9 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     if address is not None and backend != "ray":
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
     if backend == "ray":
-        return RayBackend(workers, transport, address, timeout, warm)
+        return RayBackend(workers, transport, address, timeout, warm, session=session)
+    if backend == "queue":
+        return QueueBackend(workers, transport, warm, timeout, seed)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)

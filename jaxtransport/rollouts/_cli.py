@@ -66,6 +66,7 @@ class IterationStats:
     compute_s: float  # slowest worker's rollout, measured in the worker
     learner_s: float
     transport_s: float  # wall - compute - learner
+    lag: float | None = None  # --backend queue: mean parameter versions behind the learner
 
 
 @dataclasses.dataclass
@@ -95,9 +96,14 @@ class RunResult:
 
 
 def train(cfg: Config, transport: str, *, out: TextIO | None = None,
-          err: TextIO | None = None) -> RunResult:
-    """Run the loop with one transport; print a line per iteration to ``out`` and a progress
-    bar to ``err`` (``None``: stdout/stderr; pass ``io.StringIO()`` to silence)."""
+          err: TextIO | None = None, session: backends.RaySession | None = None) -> RunResult:
+    """Run the loop with one transport; print a line per iteration to ``out`` and, when both
+    ``out`` and ``err`` are terminals, a progress bar on ``err`` (``None``: stdout/stderr; pass
+    ``io.StringIO()`` to silence). ``session``: the Ray connection for ``--backend ray``
+    (:class:`~._backends.RaySession`; default: the run starts its own).
+
+    Start-up (starting the workers, compiling the rollout in each and the learner here) is
+    done and reported before the first iteration: no iteration, warm-up included, counts it."""
     import jax
 
     from . import _policy as policy
@@ -106,6 +112,8 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     cfg.validate()
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    label = f"{cfg.backend}/{transport}"
+    started = time.perf_counter()
     key = jax.random.key(cfg.seed)
     k_params, k_envs, k_steps = jax.random.split(key, 3)
     params = policy.init(k_params, cfg.param_mb, cfg.hidden)
@@ -115,15 +123,28 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     rows = params["table"].shape[0]
     warm = (rows, cfg.hidden, cfg.envs, cfg.frame_size, cfg.steps)
     result = RunResult(cfg.backend, transport, cfg, param_bytes, [])
-    bar = report.ProgressBar(cfg.iterations, err, label=f"{cfg.backend}/{transport}")
+    bar = report.ProgressBar(cfg.iterations, err, label=label,
+                             enabled=report.is_terminal(out) and report.is_terminal(err))
 
     print(
-        f"# {cfg.backend}/{transport}: {cfg.workers} workers x {cfg.envs} envs x {cfg.steps} "
+        f"# {label}: {cfg.workers} workers x {cfg.envs} envs x {cfg.steps} "
         f"steps, {cfg.frame_size}x{cfg.frame_size} frames, policy {param_bytes / 2**20:.1f} MiB",
         file=out, flush=True,
     )
+    print(f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
+          "the rollout in each, and the learner here ...", file=out, flush=True)
     with backends.make(cfg.backend, transport, cfg.workers, address=cfg.address,
-                       warm=warm, timeout=cfg.task_timeout) as be:
+                       warm=warm, timeout=cfg.task_timeout, session=session,
+                       seed=cfg.seed) as be:
+        # The workers start and compile in the background while the learner compiles here.
+        worker.warm_up_learner(
+            params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
+            frame_size=cfg.frame_size, steps=cfg.steps, gamma=cfg.gamma,
+            entropy_coef=cfg.entropy_coef,
+        )
+        be.wait_ready()
+        print(f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any "
+              "iteration)", file=out, flush=True)
         for it in range(cfg.iterations):
             keys = jax.random.split(jax.random.fold_in(k_steps, it), cfg.workers)
             tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps) for w in range(cfg.workers)]
@@ -139,6 +160,9 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             trajs = [r[0] for r in results]
             carries = [r[1] for r in results]
             compute = max(float(r[2]) for r in results)
+            # Streaming actors (--backend queue) report how many parameter versions behind the
+            # learner each trajectory's policy was, and overlap compute with the learner.
+            lag = sum(r[3] for r in results) / len(results) if len(results[0]) > 3 else None
             moved = param_bytes * cfg.workers + sum(
                 policy.num_bytes(r[0]) + policy.num_bytes(r[1]) for r in results
             )
@@ -166,6 +190,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
                 compute_s=compute,
                 learner_s=learner,
                 transport_s=max(wall - compute - learner, 0.0),
+                lag=lag,
             )
             result.iterations.append(stats)
             bar.clear()
@@ -185,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
                    help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
-                   "ray: one Ray actor per worker")
+                   "ray: one Ray actor per worker; queue: long-lived actors streaming "
+                   "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
+                   "and picking up new parameters as the learner publishes them")
     p.add_argument("--address", default=None,
                    help="address of a running Ray cluster (head:6379, or auto); this machine "
                    "must be one of its nodes (ray start --address=...); none: start a local "
@@ -232,13 +259,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(str(exc))
     transports = ["stock", "jaxtransport"] if args.compare else [args.transport]
     runs = []
+    session = None
     try:
+        if cfg.backend == "ray":
+            # Before this process initializes JAX: starting Ray forks (see RaySession).
+            print(f"# starting Ray ({'a local Ray' if cfg.address is None else cfg.address}) "
+                  "...", flush=True)
+            session = backends.RaySession(cfg.workers, cfg.address, transports)
         for transport in transports:
-            runs.append(train(cfg, transport))
+            runs.append(train(cfg, transport, session=session))
             print(file=sys.stdout)
     except KeyboardInterrupt:
         print("\ninterrupted: the workers were stopped", file=sys.stderr)
         return 130
+    finally:
+        if session is not None:
+            session.close()
     print(report.summary_table(runs), flush=True)
     return 0
 

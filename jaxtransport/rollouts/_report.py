@@ -12,27 +12,41 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 
 
-class ProgressBar:
-    """A plain-text bar on ``stream``: redrawn in place on a terminal, one line per update
-    otherwise (so logs stay readable)."""
+def is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
 
-    def __init__(self, total: int, stream: TextIO, label: str, width: int = 30):
+
+def worker_noun(backend: str) -> str:
+    return {"ray": "Ray actors", "queue": "streaming actor processes"}.get(backend, "worker processes")
+
+
+class ProgressBar:
+    """A plain-text bar on ``stream``, redrawn in place, or nothing at all.
+
+    ``enabled`` (default: ``stream`` is a terminal) should be false whenever the per-iteration
+    lines go anywhere but a terminal too: in a log or a pipe, a bar's frames would repeat every
+    iteration line, so there the iteration lines alone report progress."""
+
+    def __init__(self, total: int, stream: TextIO, label: str, width: int = 30,
+                 enabled: bool | None = None):
         self.total, self.stream, self.label, self.width = total, stream, label, width
-        isatty = getattr(stream, "isatty", None)
-        self.tty = bool(isatty and isatty())
+        self.tty = is_terminal(stream) if enabled is None else bool(enabled)
         self._drawn = False
 
     def update(self, n: int, stats: IterationStats) -> None:
+        if not self.tty:
+            return
         filled = round(self.width * n / max(self.total, 1))
         bar = "#" * filled + "-" * (self.width - filled)
         rate = stats.env_steps / max(stats.wall_s, 1e-12)
         text = (f"{self.label} [{bar}] {n}/{self.total} "
                 f"return {stats.mean_return:6.1f}  {rate / 1e3:7.1f}k steps/s")
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + text)
-            self._drawn = True
-        else:
-            self.stream.write(text + "\n")
+        self.stream.write("\r\x1b[2K" + text)
+        self._drawn = True
         self.stream.flush()
 
     def clear(self) -> None:
@@ -54,7 +68,9 @@ def iteration_line(s: IterationStats, cfg: Config, warmup: bool) -> str:
         f"iter {s.iteration:3d}/{cfg.iterations}  return {ret} ({s.episodes:3d} episodes)  "
         f"{s.env_steps / max(s.wall_s, 1e-12) / 1e3:7.1f}k steps/s  "
         f"transport {s.transport_s:6.3f}s  compute {s.compute_s:6.3f}s  "
-        f"learner {s.learner_s:6.3f}s" + ("  (warm-up)" if warmup else "")
+        f"learner {s.learner_s:6.3f}s"
+        + (f"  lag {s.lag:.1f}" if getattr(s, "lag", None) is not None else "")
+        + ("  (warm-up)" if warmup else "")
     )
 
 

@@ -154,3 +154,21 @@ def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> N
     )
     params["table"] = jnp.zeros((rows, hidden), jnp.float32)
     rollout(params, initial_carry(jax.random.key(0), envs), jax.random.key(0), frame_size, steps)
+
+
+def warm_up_learner(params, opt, carry: Carry, workers: int, lr: float, table_lr: float, *,
+                    frame_size: int, steps: int, gamma: float, entropy_coef: float) -> None:
+    """Compile :func:`learn` in this process for ``workers`` trajectories shaped like the ones
+    :func:`rollout` returns from ``carry`` (zeros in, result dropped; ``params`` and ``opt``
+    themselves are not donated, zero copies of them are)."""
+    traj, _ = jax.eval_shape(
+        functools.partial(_rollout, frame_size=frame_size, steps=steps),
+        params, carry, jax.random.key(0),
+    )
+
+    def zeros(tree):
+        return jax.tree.map(jnp.zeros_like, tree)
+
+    out = learn(zeros(params), zeros(opt), [zeros(traj) for _ in range(workers)], lr, table_lr,
+                frame_size=frame_size, gamma=gamma, entropy_coef=entropy_coef)
+    jax.block_until_ready(out)

@@ -1,0 +1,147 @@
+"""Contexts: ``multiprocessing``'s spawn and forkserver contexts with jaxtransport's Queue, Pipe
+and Pool. Everything else (Lock, Event, Value, Manager, cpu_count, ...) is the standard library's,
+from the same start method."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.process
+from typing import Any
+
+from .._procenv import fork_refused
+
+__all__ = ["get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Process"]
+
+_METHODS = ("spawn", "forkserver")
+
+
+def _check_method(method: str | None, what: str) -> str:
+    if method is None:
+        return "spawn"
+    if method == "fork":
+        raise ValueError(fork_refused(what, "method"))
+    if method not in _METHODS:
+        raise ValueError(f"{what}: start method must be 'spawn' or 'forkserver', got {method!r}")
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"{what}: start method {method!r} is not available on this platform")
+    return method
+
+
+class JaxContext:
+    """A start method's context (``multiprocessing.get_context(method)``) whose ``Queue``,
+    ``JoinableQueue``, ``SimpleQueue``, ``Pipe`` and ``Pool`` move arrays through shared memory.
+    Other attributes are the standard context's."""
+
+    def __init__(self, method: str):
+        self._name = method
+        self._ctx = multiprocessing.get_context(method)
+
+    def get_context(self, method: str | None = None) -> "JaxContext":
+        if method is None:
+            return self
+        return get_context(method)
+
+    def get_start_method(self, allow_none: bool = False) -> str:
+        return self._name
+
+    @property
+    def Process(self) -> type:
+        return self._ctx.Process
+
+    def Queue(self, maxsize: int = 0, **kw):
+        from ._queues import Queue
+
+        return Queue(maxsize, ctx=self._ctx, **kw)
+
+    def JoinableQueue(self, maxsize: int = 0, **kw):
+        from ._queues import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self._ctx, **kw)
+
+    def SimpleQueue(self, **kw):
+        from ._queues import SimpleQueue
+
+        return SimpleQueue(ctx=self._ctx, **kw)
+
+    def Pipe(self, duplex: bool = True, **kw):
+        from ._connection import Pipe
+
+        return Pipe(duplex, **kw)
+
+    def Pool(self, processes: int | None = None, initializer=None, initargs=(), maxtasksperchild=None, **kw):
+        """``jaxtransport.Pool`` with this context's start method (its other options as keywords)."""
+        from ..pool import Pool
+
+        return Pool(processes, initializer, initargs, maxtasksperchild, start_method=self._name, **kw)
+
+    def Manager(self):
+        """The standard ``SyncManager`` started with this start method (its proxies pickle values
+        with the standard pickler: no shared memory)."""
+        return self._ctx.Manager()
+
+    def set_start_method(self, method, force: bool = False) -> None:
+        raise RuntimeError("a context's start method is fixed; use jaxtransport.multiprocessing.set_start_method")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._ctx, name)
+
+    def __repr__(self) -> str:
+        return f"<jaxtransport.multiprocessing context {self._name!r}>"
+
+
+_contexts: dict[str, JaxContext] = {}
+
+
+def get_context(method: str | None = None) -> JaxContext:
+    """The context of ``method`` ("spawn" or "forkserver"; None: the default, see
+    ``set_start_method``). "fork" is refused: JAX's threads do not survive fork()."""
+    if method is None:
+        return _default.get_context()
+    method = _check_method(method, "jaxtransport.multiprocessing.get_context")
+    ctx = _contexts.get(method)
+    if ctx is None:
+        ctx = _contexts[method] = JaxContext(method)
+    return ctx
+
+
+class _Default:
+    def __init__(self):
+        self.method = "spawn"
+
+    def get_context(self) -> JaxContext:
+        return get_context(self.method)
+
+
+_default = _Default()
+
+
+def set_start_method(method: str, force: bool = False) -> None:
+    """The start method of this module's top-level ``Process``, queues and ``Pool`` ("spawn",
+    the default, or "forkserver"). Independent of ``multiprocessing.set_start_method``."""
+    method = _check_method(method, "jaxtransport.multiprocessing.set_start_method")
+    _default.method = method
+
+
+def get_start_method(allow_none: bool = False) -> str:
+    return _default.method
+
+
+def get_all_start_methods() -> list[str]:
+    return [m for m in _METHODS if m in multiprocessing.get_all_start_methods()]
+
+
+class Process(multiprocessing.process.BaseProcess):
+    """``multiprocessing.Process`` started with this module's start method (spawn by default;
+    never fork). Subclass it or pass ``target=`` as usual."""
+
+    _start_method = None
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _default.get_context().Process._Popen(process_obj)
+
+    @staticmethod
+    def _after_fork():
+        return _default.get_context().Process._after_fork()

@@ -1,0 +1,595 @@
+"""How a message of ``jaxtransport.multiprocessing`` travels: one packet, its fds, shared memory.
+
+Note [queue messages]
+A message is exactly one ``SOCK_SEQPACKET`` packet on a Unix socket, carrying the segment fds it
+refers to as SCM_RIGHTS ancillary data. One packet is atomic: any number of processes may put and
+get on the same socket without locks, and a process killed at any moment leaves neither half a
+message nor a held lock behind. The packet is a small pickle::
+
+    (MAGIC, producer, data | None, entries, segs, blob, live)
+
+- ``producer``: ``(pid, token)`` of the sending process (its slots' owner).
+- ``data``, ``entries``: what ``pool._wire`` made of the object: the pickle and the arrays set
+  aside into slots of the sender's :class:`~jaxtransport._shm.Arena` (the same encoder as the
+  Pool, so the same dtypes, weak types, PRNG keys and shardings).
+- ``segs``: the segment id of each fd in the packet, in order.
+- ``blob``: when the pickle itself is larger than a packet may be, it travels in a slot too
+  (``data`` is then None), so that every message stays one packet.
+- ``live``: ``(epoch, ids)`` of the sender's segments (None when it has many): a receiver unmaps
+  the segments it mapped that the sender has since dropped (at its capacity the Arena drops
+  wholly free segments of other sizes), so receivers do not keep dropped memory alive.
+
+The fds of every segment a message names travel with it, so a message can be received after its
+sender died (in-flight fds keep the memory alive). The receiver keeps one mapping per segment
+(:meth:`Mapper.adopt` closes each duplicate fd at once), so a receiver never holds more than one
+fd per segment, and only until the segment is mapped: "too many open files" cannot happen.
+
+Note [queue slot lifetime]
+A queue has no fixed receiver, so the receiver cannot send releases back on a private channel as
+the Pool's workers do. Instead every slot starts with a 64-byte header in the shared memory
+itself::
+
+    [0:8) serial (written by the sender at put)   [8:16) released serial (written by the receiver)
+    [16:24) receiver pid                          [24:32) receiver start time (/proc, pid reuse)
+
+The receiver writes its pid when it takes the message, wraps each slot in a per-transfer holder as
+the Pool does (Note [slot lifetime] in ``_shm``), and writes ``released = serial`` when the last
+array over the slot is gone (a background thread in the receiver applies releases and runs
+``collect_deferred``). The sender frees slots whose header says released, and, when it runs out
+of capacity, also slots whose receiver process is dead. A slot whose message nobody has taken
+stays held: a producer that outpaces its consumers waits for releases, then raises
+ShmCapacityError.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .. import _shm
+from .._errors import ShmCapacityError, ShmHandleError, TransportError
+from .._tracers import find_tracer
+
+MAGIC = "jaxtransport.mp/1"
+HEADER = 64  # bytes before each slot's data (Note [queue slot lifetime])
+_HDR = struct.Struct("<QQQQ")
+MAX_PACKET = 32 << 10  # larger pickles travel in a slot (Note [queue messages])
+RECV_BUF = 64 << 10
+MAX_FDS = 250  # SCM_MAX_FD is 253
+_MAX_LIVE_LISTED = 64
+_CAPACITY_GRACE_S = 10.0  # how long a put waits without any release before giving up
+_RELEASE_POLL_S = 0.02
+
+
+def _proc_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# sender side
+
+
+class _HeaderArena:
+    """The process's Arena seen by ``_wire.commit``: every slot gets HEADER bytes in front."""
+
+    def __init__(self, producer: "Producer"):
+        self.p = producer
+
+    def alloc(self, nbytes, borrower, wait=None):
+        return self.p.alloc(nbytes, wait)
+
+    def release(self, handle, borrower, count=1):
+        self.p.drop(handle)
+        return True
+
+
+class Producer:
+    """The sending half of this process: one Arena for every queue and pipe it sends on."""
+
+    def __init__(self, capacity: int | None):
+        self.pid = os.getpid()
+        self.key = (self.pid, secrets.token_bytes(8))
+        self.arena = _shm.Arena(capacity, label=f"process {self.pid} (jaxtransport.multiprocessing)")
+        self.lock = threading.Lock()
+        self.serials = iter(range(1, 1 << 62))
+        # data handle -> (arena handle, serial); oldest first
+        self.outstanding: collections.OrderedDict = collections.OrderedDict()
+        self.frees = 0  # slots freed so far (progress, for waiting puts)
+        self.adapter = _HeaderArena(self)
+
+    def alloc(self, nbytes: int, wait):
+        # Releases are written into the slot headers; look at all of them while few are
+        # outstanding (cheap), else at the oldest ones, so a free slot is found before a new
+        # segment (fresh pages) is made.
+        self.reap(None if len(self.outstanding) <= 256 else 64)
+        handle, view = self.arena.alloc(nbytes + HEADER, "q", wait)
+        with self.lock:
+            serial = next(self.serials)
+            _HDR.pack_into(view, 0, serial, 0, 0, 0)
+            data = (handle[0], handle[1] + HEADER, nbytes, handle[3])
+            self.outstanding[data] = (handle, serial)
+        return data, view[HEADER:]
+
+    def drop(self, data_handle) -> None:
+        """Free a slot at once (its message was never sent)."""
+        with self.lock:
+            rec = self.outstanding.pop(tuple(data_handle), None)
+        if rec is not None:
+            self.arena.release(rec[0], "q")
+
+    def reap(self, limit: int | None = None, dead_too: bool = False) -> int:
+        """Free slots whose receiver released them (and, with ``dead_too``, slots whose receiver
+        died). Looks at most ``limit`` slots, oldest first (all when None). Returns slots freed."""
+        freed = []
+        starts: dict[int, int | None] = {}
+        with self.lock:
+            n = len(self.outstanding) if limit is None else min(limit, len(self.outstanding))
+            keep = []
+            for _ in range(n):
+                data, rec = self.outstanding.popitem(last=False)
+                seg = self.arena.segment(data[0])
+                free = seg is None or seg.mm is None
+                if not free:
+                    serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])
+                    free = released == rec[1]
+                    if not free and dead_too and rpid:
+                        if rpid not in starts:
+                            starts[rpid] = _proc_start(rpid)
+                        free = starts[rpid] != rstart
+                if free:
+                    freed.append(rec[0])
+                else:
+                    keep.append((data, rec))
+            for data, rec in keep:
+                self.outstanding[data] = rec
+        for h in freed:
+            self.arena.release(h, "q")
+        if freed:
+            self.frees += len(freed)
+        return len(freed)
+
+    def waiter(self, timeout: float | None):
+        """An Arena wait hook for one put: wait while receivers keep releasing memory (or until
+        ``timeout``), checking for released slots and dead receivers."""
+        start = time.monotonic()
+        state = {"progress": start, "frees": self.frees}
+
+        def wait(cond) -> bool:
+            cond.release()
+            try:
+                self.reap(None, dead_too=True)
+            finally:
+                cond.acquire()
+            now = time.monotonic()
+            if self.frees != state["frees"]:
+                state["frees"], state["progress"] = self.frees, now
+                return True  # alloc retries at once
+            if timeout is not None:
+                if now - start > timeout:
+                    return False
+            elif now - state["progress"] > _CAPACITY_GRACE_S:
+                return False
+            cond.wait(0.01)
+            return True
+
+        return wait
+
+    def live_segments(self):
+        """``(epoch, segment ids)`` for receivers to unmap segments this process dropped (Note
+        [queue messages]); None when there are too many to list cheaply."""
+        segs = self.arena.segments()
+        if len(segs) > _MAX_LIVE_LISTED:
+            return None
+        return (self.arena.segments_created, tuple(s.seg_id for s in segs))
+
+    def held(self) -> tuple[int, int, int]:
+        """(slots not yet released, of which taken by a receiver, bytes)."""
+        with self.lock:
+            items = list(self.outstanding.items())
+        taken = nbytes = 0
+        for data, rec in items:
+            seg = self.arena.segment(data[0])
+            nbytes += data[2]
+            if seg is not None and seg.mm is not None and _HDR.unpack_from(seg.mm, rec[0][1])[2]:
+                taken += 1
+        return len(items), taken, nbytes
+
+
+_producer: Producer | None = None
+_producer_lock = threading.Lock()
+_capacity: int | None = None
+
+
+def set_shm_capacity(nbytes: int | None) -> None:
+    """Cap the shared memory this process sends from (all its queues and pipes together); None
+    restores the default (half the free memory). Takes effect for the next segment created."""
+    global _capacity
+    if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
+        raise ValueError(f"shm_capacity must be a positive int (bytes) or None, got {nbytes!r}")
+    _capacity = nbytes
+    with _producer_lock:
+        if _producer is not None and _producer.pid == os.getpid():
+            _producer.arena.capacity = nbytes or _shm.default_capacity()
+
+
+def producer() -> Producer:
+    global _producer
+    p = _producer
+    if p is None or p.pid != os.getpid():
+        with _producer_lock:
+            p = _producer
+            if p is None or p.pid != os.getpid():
+                p = _producer = Producer(_capacity)
+    return p
+
+
+def _locate(obj: Any, root: str):
+    def locate():
+        found = find_tracer(obj, root)
+        return None if found is None else (found[0] or root)
+
+    return locate
+
+
+class Outgoing:
+    """A message ready to send: the packet and the fds it carries (owned by the arena)."""
+
+    __slots__ = ("packet", "fds", "handles")
+
+    def __init__(self, packet, fds, handles):
+        self.packet, self.fds, self.handles = packet, fds, handles
+
+    def discard(self) -> None:
+        p = producer()
+        for h in self.handles:
+            p.drop(h)
+        self.handles = ()
+
+
+def prepare(obj: Any, threshold: int, root: str):
+    """Phase 1, in the caller: pickle ``obj`` with arrays set aside. Raises TracerTransportError
+    (with the key path under ``root``) or the pickling error before anything is queued."""
+    from ..pool import _wire
+
+    return _wire.prepare(obj, threshold=threshold, locate=_locate(obj, root))
+
+
+def commit(prep, timeout: float | None = None) -> Outgoing:
+    """Phase 2, in the caller: copy the set-aside arrays into this process's shared memory (may
+    wait for receivers to release memory, see Producer.waiter) and build the packet."""
+    from ..pool import _wire
+
+    p = producer()
+    if _consumer is not None and _consumer.pid == p.pid:
+        _consumer.apply_releases()  # what this process received and dropped, before allocating
+    try:
+        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout))
+    except ShmCapacityError as e:
+        raise _capacity_error(p, e) from None
+    handles = list(enc.handles)
+    try:
+        data, blob = enc.data, None
+        if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries):
+            try:
+                blob, view = p.alloc(len(data), p.waiter(timeout))
+            except ShmCapacityError as e:
+                raise _capacity_error(p, e) from None
+            handles.append(blob)
+            view[: len(data)] = np.frombuffer(data, np.uint8)
+            data = None
+        segs = sorted({h[0] for h in handles})
+        if len(segs) > MAX_FDS:
+            raise TransportError(
+                f"This message refers to {len(segs)} shared-memory segments; one message can carry "
+                f"at most {MAX_FDS} fds. Send it in parts, or stack its arrays into fewer, larger ones."
+            )
+        fds = []
+        for s in segs:
+            seg = p.arena.segment(s)
+            if seg is None or seg.fd is None:
+                raise ShmHandleError(f"segment {s} of this process's shared memory was closed while sending")
+            fds.append(seg.fd)
+        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments()), protocol=5)
+    except BaseException:
+        for h in handles:
+            p.drop(h)
+        raise
+    return Outgoing(packet, fds, handles)
+
+
+def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
+    slots, taken, nbytes = p.held()
+    return ShmCapacityError(
+        f"jaxtransport.multiprocessing could not put this message: the shared memory of process "
+        f"{p.pid} is full (shm_capacity={p.arena.capacity} bytes, {_shm._fmt(p.arena.capacity)}) and no "
+        f"receiver released any in time. {slots} slots ({_shm._fmt(nbytes)}) are held: {slots - taken} by "
+        f"messages no process has taken from their queue or pipe yet, {taken} by arrays receivers still "
+        "keep alive. The consumer is slower than this producer, stopped, or gone. Fixes: bound the "
+        "queue (Queue(maxsize=...)) so that put() waits for the consumer, drop received arrays sooner, "
+        "raise jaxtransport.multiprocessing.set_shm_capacity(...), or pass put(timeout=...) to wait "
+        f"longer. ({e})"
+    )
+
+
+def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None, nowait: bool = False) -> None:
+    """Send one message (blocking while the socket buffer is full; ``timeout`` bounds that;
+    ``nowait``: BlockingIOError instead of waiting)."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out.fds))] if out.fds else []
+    if nowait:
+        sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+        return
+    if timeout is None:
+        sock.sendmsg([out.packet], anc)
+        return
+    import select
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the receiver is not reading (socket buffer full)") from None
+            select.select([], [sock], [], left)
+
+
+# --------------------------------------------------------------------------------------------
+# receiver side
+
+
+class _Consumer:
+    """The receiving half of this process: one Mapper per sending process, and a thread that
+    applies releases (Note [queue slot lifetime])."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.start = _proc_start(self.pid) or 0
+        self.lock = threading.Lock()  # one thread decodes at a time (Mapper is not thread-safe)
+        self.mappers: dict[tuple, _shm.Mapper] = {}
+        self.epochs: dict[tuple, int] = {}  # newest segment list seen per sender
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def mapper(self, key) -> _shm.Mapper:
+        m = self.mappers.get(key)
+        if m is None:
+            m = self.mappers[key] = _shm.Mapper(None, label=f"process {key[0]}")
+        return m
+
+    def apply_releases(self) -> None:
+        """Write the releases of dropped arrays into their slot headers (cheap when none)."""
+        for m in list(self.mappers.values()):
+            if m.live or m.pending:
+                for tok in m.take_releases():
+                    _write_release(m, tok)
+
+    def ensure_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            ref = weakref.ref(self)
+            self.thread = threading.Thread(target=_release_loop, args=(ref,), name="jaxtransport-mp-release",
+                                           daemon=True)
+            self.thread.start()
+        self.wake.set()
+
+
+def _release_loop(ref) -> None:
+    while True:
+        c = ref()
+        if c is None:
+            return
+        busy = any(m.live or m.pending for m in list(c.mappers.values()))
+        if busy:
+            try:
+                c.apply_releases()
+            except Exception:  # noqa: BLE001 - never let the release thread die
+                pass
+            wake = None
+        else:
+            wake = c.wake
+            wake.clear()
+        del c
+        if wake is None:
+            time.sleep(_RELEASE_POLL_S)
+        else:
+            wake.wait(1.0)
+
+
+def _write_release(m: _shm.Mapper, tok) -> None:
+    if not isinstance(tok, tuple) or len(tok) != 3:
+        return
+    seg_id, off, serial = tok
+    seg = m.segs.get(seg_id)
+    mm = None if seg is None else seg.mm
+    if mm is None:
+        return
+    try:
+        struct.pack_into("<Q", mm, off + 8, serial)
+    except (ValueError, TypeError, IndexError):
+        pass  # unmapped meanwhile: its sender dropped it
+
+
+_consumer: _Consumer | None = None
+
+
+def consumer() -> _Consumer:
+    global _consumer
+    c = _consumer
+    if c is None or c.pid != os.getpid():
+        with _producer_lock:
+            c = _consumer
+            if c is None or c.pid != os.getpid():
+                c = _consumer = _Consumer()
+    return c
+
+
+def recv_packet(sock: socket.socket, nowait: bool = False) -> tuple[bytes, list[int]]:
+    """One packet and the fds that came with it. Raises EOFError when every writer is gone,
+    BlockingIOError (``nowait``) when there is none, TransportError (fds closed) for a
+    truncated packet."""
+    fds = array.array("i")
+    msg, anc, flags, _ = sock.recvmsg(RECV_BUF, socket.CMSG_SPACE(MAX_FDS * fds.itemsize + 64),
+                                      socket.MSG_DONTWAIT if nowait else 0)
+    got: list[int] = []
+    for level, typ, data in anc:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+            got.extend(a)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        _close_all(got)
+        raise TransportError(
+            "Corrupt message on a jaxtransport.multiprocessing queue or pipe: the packet or its fds "
+            "were truncated (something other than jaxtransport wrote to it). The message is lost."
+        )
+    if not msg and not got:
+        raise EOFError
+    return msg, got
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _garbage(why: str) -> TransportError:
+    return TransportError(
+        f"Corrupt message on a jaxtransport.multiprocessing queue or pipe: {why}. Something other "
+        "than jaxtransport.multiprocessing wrote to it (both ends must use jaxtransport.multiprocessing "
+        "objects). The message is lost; later messages are unaffected."
+    )
+
+
+def decode(packet: bytes, fds: list[int], placement: str) -> Any:
+    """Rebuild a message: map its segments (once per segment), claim its slots, and unpickle with
+    arrays aliasing them. Raises ShmHandleError / TransportError for a corrupt message (its fds
+    closed, its slots released)."""
+    try:
+        rec = pickle.loads(packet)
+        magic, key, data, entries, segs, blob, live = rec
+        if magic != MAGIC:
+            raise ValueError("bad magic")
+        key = (int(key[0]), bytes(key[1]))
+        segs = tuple(int(s) for s in segs)
+    except Exception as e:  # noqa: BLE001 - anything: the packet is garbage
+        _close_all(fds)
+        raise _garbage(f"{type(e).__name__}: {e}"[:300]) from None
+    if len(segs) != len(fds):
+        _close_all(fds)
+        raise _garbage(f"{len(fds)} fds came with a message naming {len(segs)} segments")
+    from ..pool import _wire
+
+    c = consumer()
+    with c.lock:
+        c.apply_releases()
+        m = c.mapper(key)
+        for i, (s, fd) in enumerate(zip(segs, fds)):
+            try:
+                m.adopt(s, fd)
+            except BaseException:
+                _close_all(fds[i + 1 :])
+                raise
+        handles = [e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax")]
+        tokens = []
+        try:
+            for h in handles + ([blob] if blob is not None else []):
+                tokens.append(_claim(m, h, c))
+            if blob is not None:
+                mm = m.mapping(int(blob[0]))
+                boff, bn = int(blob[1]), int(blob[2])
+                data = bytes(memoryview(mm)[boff : boff + bn])
+                _write_release(m, tokens.pop())
+        except BaseException:
+            for t in tokens:  # no holder exists yet: give every claimed slot back
+                _write_release(m, t)
+            raise
+        releases = {tuple(h): t for h, t in zip(handles, tokens)}
+        try:
+            obj = _decode_entries(_wire, data, entries, m, placement, releases)
+        except BaseException as e:
+            for i in getattr(e, "unheld", ()):
+                h = entries[i][-1] if i < len(entries) else None
+                t = releases.get(tuple(h)) if isinstance(h, tuple) else None
+                if t is not None:
+                    _write_release(m, t)
+            raise
+        _forget_dropped(c, key, m, live)
+    if m.live:
+        c.ensure_thread()
+    return obj
+
+
+def _forget_dropped(c: "_Consumer", key, m: _shm.Mapper, live) -> None:
+    """Unmap the sender's segments that it no longer has. Segment ids are never reused, and a
+    segment is dropped only when no message or array holds a slot in it; only the newest
+    list seen is applied (a list from an older epoch may lack segments made since)."""
+    try:
+        epoch, ids = int(live[0]), set(live[1])
+    except (TypeError, ValueError, IndexError):
+        return
+    if epoch < c.epochs.get(key, 0):
+        return
+    c.epochs[key] = epoch
+    gone = [s for s in m.segs if s not in ids]
+    if gone:
+        m.forget(gone)
+
+
+def _claim(m: _shm.Mapper, h, c: _Consumer):
+    try:
+        seg_id, off, nbytes, _gen = (int(x) for x in h)
+    except (TypeError, ValueError):
+        raise ShmHandleError(f"Bad shared-memory handle {h!r}: expected (segment, offset, nbytes, generation)") from None
+    mm = m.mapping(seg_id)
+    hoff = off - HEADER
+    if hoff < 0 or off + nbytes > len(mm):
+        raise ShmHandleError(f"Bad shared-memory handle {h!r}: outside segment {seg_id} of {m.label}")
+    serial = struct.unpack_from("<Q", mm, hoff)[0]
+    struct.pack_into("<QQ", mm, hoff + 16, c.pid, c.start)
+    return (seg_id, hoff, serial)
+
+
+class _Claimed:
+    """The Mapper as ``_wire.decode`` sees it: each holder's release token names the slot
+    header to write (Note [queue slot lifetime])."""
+
+    __slots__ = ("m", "tokens")
+
+    def __init__(self, m: _shm.Mapper, tokens: dict):
+        self.m, self.tokens = m, tokens
+
+    def holder(self, handle, release=None):
+        tok = self.tokens.get(tuple(handle)) if isinstance(handle, (tuple, list)) else None
+        if tok is None:
+            raise ShmHandleError(f"Corrupt message: handle {handle!r} is not among the message's slots")
+        return self.m.holder(handle, tok)
+
+
+def _decode_entries(_wire, data, entries, m: _shm.Mapper, placement: str, releases: dict):
+    return _wire.decode(data, entries, _Claimed(m, releases), placement)

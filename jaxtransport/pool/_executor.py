@@ -1,0 +1,311 @@
+"""``jaxtransport.Executor``: the ``concurrent.futures.Executor`` face of the Pool's engine.
+
+Same workers, shared memory, placements, tracer errors and crash handling as
+:class:`~jaxtransport.Pool` (it owns one); futures are ``concurrent.futures.Future``, so
+``as_completed``, ``wait`` and ``asyncio.wrap_future`` work.
+
+Flow: ``submit`` hands a call to the pool at once (pickling and copying large arrays in the
+caller's thread, so a Tracer or an unpicklable argument raises there) while fewer than
+``2 * max_workers`` calls are in flight; beyond that the call waits in the executor's queue as a
+*pending* future, which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A
+*dispatcher* thread (started on first need) moves pending calls to the pool as calls finish; the
+pool's manager thread only completes futures and wakes the dispatcher, never pickles or waits.
+Lock order: the executor's ``_lock`` is a leaf (nothing else is taken while holding it).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
+from .._tracers import find_tracer, tracer_error
+from ._facade import Pool
+
+__all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
+
+
+def _run_chunk(fn: Callable, chunk: list) -> list:
+    """``map(chunksize>1)``: one task runs a chunk of calls (in the worker)."""
+    return [fn(*args) for args in chunk]
+
+
+class _Call:
+    __slots__ = ("future", "fn", "args", "kwargs")
+
+    def __init__(self, future, fn, args, kwargs):
+        self.future, self.fn, self.args, self.kwargs = future, fn, args, kwargs
+
+
+class Executor(concurrent.futures.Executor):
+    """A ``concurrent.futures.Executor`` running calls in jaxtransport.Pool workers.
+
+    Args:
+      max_workers: number of worker processes (default: the CPUs this process may use).
+      initializer, initargs: run once in each worker at start (see ``Pool``).
+      max_tasks_per_child: a worker is replaced after this many calls.
+      **pool_kwargs: ``start_method``, ``shm_threshold``, ``placement``, ``worker_env``,
+        ``shm_capacity``, ``devices_per_worker``: as for ``jaxtransport.Pool``.
+
+    A worker that dies while running a call fails that call's future with ``WorkerLostError``
+    (a ``BrokenProcessPool``); the worker is replaced and the executor keeps running, as the
+    Pool does. When the pool itself breaks, every pending future and every later ``submit``
+    raise :class:`BrokenExecutorError` (also a ``BrokenProcessPool``). Done-callbacks of the
+    futures run in the pool's manager thread: keep them short (``submit`` from one is fine).
+    """
+
+    def __init__(self, max_workers: int | None = None, initializer: Callable | None = None,
+                 initargs: Iterable = (), *, max_tasks_per_child: int | None = None, **pool_kwargs: Any):
+        self._pool = Pool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
+        self._max_in_flight = 2 * self._pool._processes
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: collections.deque[_Call] = collections.deque()
+        self._in_flight = 0
+        self._shutdown = False
+        self._broken: BaseException | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._reusable = False
+
+    # -- submitting
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Schedule ``fn(*args, **kwargs)``; returns its Future at once. Raises here (not on the
+        future) for a Tracer anywhere in the call (TracerTransportError naming its path), and,
+        when the call goes to the pool at once, for an argument that cannot be pickled."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call = _Call(future, fn, args, kwargs)
+        with self._lock:
+            self._check_open()
+            direct = not self._pending and self._in_flight < self._max_in_flight
+            if direct:
+                self._in_flight += 1
+        if not direct:
+            # It waits in the queue: find a Tracer now (the pool's pickling finds it for direct
+            # calls), so that the error is raised here, not later on the future.
+            for obj, root in ((args, "args"), (kwargs, "kwargs"), (fn, "fn")):
+                found = find_tracer(obj, root)
+                if found is not None:
+                    raise tracer_error(found[1], path=found[0] or root, where="in Executor.submit")
+            with self._lock:
+                self._check_open()
+                self._pending.append(call)
+                self._ensure_dispatcher()
+        if direct:
+            future.set_running_or_notify_cancel()
+            try:
+                self._send(call)
+            except BaseException:
+                self._finished()
+                raise
+        return future
+
+    def map(self, fn: Callable, *iterables: Iterable, timeout: float | None = None,
+            chunksize: int = 1) -> Iterator:
+        """``map(fn, *iterables)`` as ``concurrent.futures``: results in order; ``timeout``
+        (seconds, from this call) raises ``TimeoutError`` from the iterator; ``chunksize`` > 1
+        sends that many calls per task. Unfinished calls are cancelled if the iterator is closed
+        early."""
+        if not isinstance(chunksize, int) or chunksize < 1:
+            raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
+        end = None if timeout is None else time.monotonic() + timeout
+        calls = zip(*iterables)
+        if chunksize == 1:
+            futures = [self.submit(fn, *args) for args in calls]
+        else:
+            futures, chunk = [], []
+            for args in calls:
+                chunk.append(args)
+                if len(chunk) == chunksize:
+                    futures.append(self.submit(_run_chunk, fn, chunk))
+                    chunk = []
+            if chunk:
+                futures.append(self.submit(_run_chunk, fn, chunk))
+
+        def results():
+            try:
+                futures.reverse()
+                while futures:
+                    f = futures.pop()
+                    left = None if end is None else end - time.monotonic()
+                    value = f.result(left)
+                    if chunksize == 1:
+                        yield value
+                    else:
+                        yield from value
+            finally:
+                for f in futures:
+                    f.cancel()
+
+        return results()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new calls; ``cancel_futures`` cancels the pending (not yet started) ones. With
+        ``wait`` return once every started call finished and the workers exited; without, the
+        workers exit in the background when the calls are done. A reusable executor
+        (:func:`get_reusable_executor`) waits for its calls but keeps its warm workers."""
+        with self._lock:
+            self._shutdown = True
+            if cancel_futures:
+                while self._pending:
+                    self._pending.popleft().future.cancel()
+            self._wake.notify_all()
+        if self._reusable:
+            if wait:
+                self._wait_idle()
+        elif wait:
+            self._wait_idle()
+            self._pool.close()
+            self._pool.join()
+        else:
+            threading.Thread(target=_close_when_idle, args=(self,), daemon=True,
+                             name="jaxtransport-executor-close").start()
+
+    # -- internals
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise BrokenExecutorError(f"This jaxtransport.Executor is broken: {self._broken}") from self._broken
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def _ensure_dispatcher(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = threading.Thread(target=_dispatch, args=(weakref.ref(self),), daemon=True,
+                                                name="jaxtransport-executor-dispatch")
+            self._dispatcher.start()
+
+    def _send(self, call: _Call) -> None:
+        fut = call.future
+
+        def done(value):
+            fut.set_result(value)
+            self._finished()
+
+        def failed(exc):
+            if isinstance(exc, PoolStateError):  # the pool broke under this call
+                self._mark_broken(exc)
+                broken = BrokenExecutorError(f"This jaxtransport.Executor is broken: {exc}")
+                broken.__cause__ = exc
+                exc = broken
+            fut.set_exception(exc)
+            self._finished()
+
+        try:
+            self._pool.apply_async(call.fn, call.args, call.kwargs, callback=done, error_callback=failed)
+        except PoolStateError as e:
+            if not self._shutdown or self._reusable:
+                self._mark_broken(e)
+            raise BrokenExecutorError(f"This jaxtransport.Executor is broken: {e}") from e
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._wake.notify_all()
+
+    def _mark_broken(self, cause: BaseException) -> None:
+        with self._lock:
+            self._broken = cause
+            pending, self._pending = list(self._pending), collections.deque()
+            self._wake.notify_all()
+        for call in pending:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(BrokenExecutorError(f"This jaxtransport.Executor is broken: {cause}"))
+
+    def _next_call(self) -> _Call | None:
+        """Dispatcher: the next pending call once there is room; None (the thread ends) when
+        nothing is pending or the pool broke. ``submit`` starts a new one when needed."""
+        with self._lock:
+            while True:
+                if self._broken is not None or not self._pending:
+                    self._dispatcher = None
+                    return None
+                if self._in_flight < self._max_in_flight:
+                    self._in_flight += 1
+                    return self._pending.popleft()
+                self._wake.wait()
+
+    def _wait_idle(self) -> None:
+        with self._lock:
+            while self._pending or self._in_flight:
+                self._wake.wait()
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else ("shut down" if self._shutdown else "running")
+        return f"<jaxtransport.Executor {state} max_workers={self._pool._processes}>"
+
+    def __reduce__(self):
+        raise TypeError("a jaxtransport.Executor cannot be pickled or sent to another process")
+
+
+def _dispatch(ref: weakref.ref) -> None:
+    ex = ref()
+    while ex is not None:
+        call = ex._next_call()
+        if call is None:
+            return
+        if not call.future.set_running_or_notify_cancel():
+            ex._finished()
+            continue
+        try:
+            ex._send(call)
+        except BaseException as e:  # noqa: BLE001 - the call's own failure (pickling, broken pool)
+            ex._finished()
+            call.future.set_exception(e)
+
+
+def _close_when_idle(ex: Executor) -> None:
+    ex._wait_idle()
+    try:
+        ex._pool.close()
+        ex._pool.join()
+    except (PoolStateError, PoolTerminatedError):
+        pass
+
+
+_reusable_lock = threading.Lock()
+_reusable: tuple[Executor, tuple] | None = None
+
+
+def get_reusable_executor(max_workers: int | None = None, **kwargs: Any) -> Executor:
+    """An executor whose warm workers outlive ``with`` blocks (loky's ``get_reusable_executor``).
+
+    JAX workers take seconds to start; this hands back the same executor, workers warm, for as
+    long as it is asked for with the same arguments and is not broken. Leaving a ``with`` block
+    or ``shutdown()`` waits for its calls but keeps the workers. Asking with other arguments
+    shuts the previous one down (waiting for its calls) and starts a new one. Its workers end
+    at interpreter exit, or with ``shutdown(wait)`` of :func:`shutdown_reusable_executor`.
+    """
+    global _reusable
+    key = (max_workers, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
+    with _reusable_lock:
+        old = None
+        if _reusable is not None:
+            ex, old_key = _reusable
+            if old_key == key and ex._broken is None:
+                with ex._lock:
+                    ex._shutdown = False
+                return ex
+            old = ex
+        ex = Executor(max_workers, **kwargs)
+        ex._reusable = True
+        _reusable = (ex, key)
+    if old is not None:
+        _retire(old)
+    return ex
+
+
+def shutdown_reusable_executor(wait: bool = True) -> None:
+    """End the reusable executor's workers (``wait``: after its calls finish)."""
+    global _reusable
+    with _reusable_lock:
+        old, _reusable = (_reusable[0] if _reusable else None), None
+    if old is not None:
+        _retire(old, wait)
+
+
+def _retire(ex: Executor, wait: bool = True) -> None:
+    ex._reusable = False
+    ex.shutdown(wait=wait)

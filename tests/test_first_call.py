@@ -1,0 +1,274 @@
+"""The first call (issue 14): how new shared memory gets its pages, Pool(shm_reserve=...),
+segments that grow instead of starting over, and workers that import JAX only when a task
+needs it. No timing assertions: page counts, segment counts and sys.modules."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import textwrap
+
+import numpy as np
+import pytest
+
+import jaxtransport as jt
+from jaxtransport import _shm
+from jaxtransport._errors import ShmCapacityError
+
+from .conftest import run_python
+
+pytestmark = pytest.mark.timeout(180)
+MIB = 1 << 20
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        parts = platform.release().split(".")
+        return (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
+    except (IndexError, ValueError):
+        return False
+
+
+def allocated(fd: int) -> int:
+    """Bytes of the file behind ``fd`` that have pages (st_blocks counts 512-byte units)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+# ------------------------------------------------------------------------------------------
+# how a segment gets its pages
+
+
+def test_population_method_follows_the_kernel():
+    method = _shm.populate_method()
+    if _kernel_at_least(5, 14):
+        assert method == "madvise"
+    else:
+        assert method in ("madvise", "fallocate")
+
+
+def test_new_segment_has_every_page_before_the_first_write():
+    size = 8 * MIB
+    fd, mm = _shm.create_segment(size)
+    try:
+        assert allocated(fd) >= size  # reserved up front: a full system fails here, not later
+        view = np.frombuffer(mm, np.uint8)
+        view[:: _shm.PAGE] = 7
+        assert int(view[:: _shm.PAGE].sum()) == 7 * (size // _shm.PAGE)
+        del view
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+def test_memory_that_cannot_be_had_is_a_capacity_error_not_sigbus():
+    """A write to a page past the end of a memfd is a SIGBUS. MADV_POPULATE_WRITE reports it as
+    an error instead, which the arena turns into ShmCapacityError: the same path a system out of
+    memory takes. Run in a fresh interpreter so that a SIGBUS would fail the test, not pytest."""
+    if _shm.populate_method() != "madvise":
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (fallocate path: reserved up front)")
+    code = textwrap.dedent(
+        """
+        import os
+        from jaxtransport import _shm
+        from jaxtransport._errors import ShmCapacityError
+        fd = os.memfd_create("short", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 64 * _shm.PAGE)
+        mm = __import__("mmap").mmap(fd, 64 * _shm.PAGE)
+        os.ftruncate(fd, _shm.PAGE)  # the mapping has 64 pages; the file now has one
+        try:
+            _shm.populate(mm, 0, 64 * _shm.PAGE)
+        except ShmCapacityError as e:
+            assert "could not reserve" in str(e) and "Fixes" in str(e), e
+            print("capacity error")
+        """
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0 and "capacity error" in proc.stdout, (proc.returncode, proc.stderr)
+
+
+def test_a_slightly_smaller_array_reuses_a_free_larger_slot():
+    arena = _shm.Arena(256 * MIB)
+    try:
+        h, _ = arena.alloc(8 * MIB, "a")
+        arena.release(h, "a")
+        h2, view = arena.alloc(5 * MIB, "a")  # class 5 MiB: served by the free 8 MiB slot
+        assert arena.segments_created == 1 and h2[0] == h[0] and view.nbytes == 5 * MIB
+        h3, _ = arena.alloc(3 * MIB, "a")  # more than twice smaller: its own segment
+        assert arena.segments_created == 2 and h3[0] != h[0]
+    finally:
+        arena.close()
+
+
+def test_a_larger_array_grows_a_free_segment_in_place():
+    arena = _shm.Arena(256 * MIB)
+    try:
+        h, _ = arena.alloc(4 * MIB, "a")
+        arena.release(h, "a")
+        h2, view = arena.alloc(12 * MIB, "a")
+        assert (arena.segments_created, arena.segments_grown) == (1, 1)
+        assert h2[0] != h[0] and arena.take_forgotten() == [h[0]]  # receivers drop the old id
+        seg = arena.segment(h2[0])
+        assert seg.size >= 12 * MIB and allocated(seg.fd) >= seg.size
+        assert arena.mapped == seg.size
+        view[:] = 3  # every byte writable
+        assert int(view[:: _shm.PAGE].sum()) == 3 * (12 * MIB // _shm.PAGE)
+        del view
+        # A held segment never grows: the next one is new.
+        h3, _ = arena.alloc(20 * MIB, "a")
+        assert (arena.segments_created, arena.segments_grown) == (2, 1)
+    finally:
+        arena.close()
+
+
+def test_arena_reserve_serves_the_first_alloc_and_respects_the_cap():
+    arena = _shm.Arena(64 * MIB)
+    try:
+        t = arena.reserve(16 * MIB)
+        h, _ = arena.alloc(16 * MIB, "a")  # waits for the reservation rather than making another
+        t.join()
+        assert arena.segments_created == 1
+        arena.release(h, "a")
+        with pytest.raises(ShmCapacityError, match="shm_reserve=.*does not fit"):
+            arena.reserve(128 * MIB)
+    finally:
+        arena.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Pool(shm_reserve=...)
+
+
+def _worker_segments():
+    from jaxtransport.pool import _worker
+
+    a = _worker.CURRENT.arena
+    for t in list(__import__("threading").enumerate()):
+        if t.name == "jaxtransport-shm-reserve":
+            t.join()
+    return a.segments_created, a.mapped
+
+
+def _make(n):
+    return np.full(n, 5, np.uint8)
+
+
+def _total(x):
+    return int(x[:: 4096].sum()), x.nbytes
+
+
+@pytest.mark.parametrize("reserve", [8 * MIB, (8 * MIB, 8 * MIB)], ids=["int", "pair"])
+def test_shm_reserve_serves_first_argument_and_first_result(reserve):
+    with jt.Pool(1, shm_reserve=reserve) as p:
+        made, mapped = p.apply(_worker_segments)
+        assert made == 1 and mapped >= 8 * MIB  # the worker made its result slot at start
+        x = np.full(7 * MIB, 2, np.uint8)
+        assert p.apply(_total, (x,)) == (2 * len(range(0, x.nbytes, 4096)), x.nbytes)
+        assert p._state.arena.segments_created == 1  # the parent's reserved slot, no new one
+        y = p.apply(_make, (7 * MIB,))
+        assert y.nbytes == 7 * MIB and int(y[:: 4096].sum()) == 5 * (y.nbytes // 4096)
+        assert p.apply(_worker_segments)[0] == 1
+        del y
+
+
+def test_shm_reserve_one_side_only():
+    with jt.Pool(1, shm_reserve=(0, 4 * MIB)) as p:
+        assert p.apply(_worker_segments)[0] == 1
+        assert p._state.arena.segments_created == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1G", True, (1, 2, 3), (1, -2), [1, 2]])
+def test_shm_reserve_validated(bad):
+    with pytest.raises(ValueError, match="shm_reserve"):
+        jt.Pool(1, shm_reserve=bad)
+
+
+def test_shm_reserve_beyond_capacity_is_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match="shm_reserve asks for .* more than shm_capacity"):
+        jt.Pool(1, shm_reserve=64 * MIB, shm_capacity=16 * MIB)
+    gc.collect()
+
+
+# ------------------------------------------------------------------------------------------
+# workers import JAX only when a task needs it
+
+_LAZY_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import jaxtransport as jt
+    assert "jax" not in sys.modules, "import jaxtransport imported jax"
+
+    def numpy_task(x):
+        import sys
+        return float(x.sum()), "jax" in sys.modules
+
+    def jax_task(x):
+        import sys
+        return type(x).__name__, str(x.dtype), float(x.sum()), "jax" in sys.modules
+
+    def jax_result(n):
+        import jax.numpy as jnp
+        return jnp.arange(n, dtype=jnp.float64)
+
+    if __name__ == "__main__":
+        X64 = {x64}
+        if X64:
+            import jax
+            jax.config.update("jax_enable_x64", True)
+        with jt.Pool(1) as p:
+            print("numpy", p.apply(numpy_task, (np.ones(1 << 20),)))
+            print("numpy", p.apply(numpy_task, (np.ones(10),)))
+            import jax, jax.numpy as jnp
+            dt = jnp.float64 if X64 else jnp.float32
+            print("jax", p.apply(jax_task, (jnp.arange(1 << 18, dtype=dt),)))
+            print("small", p.apply(jax_task, (jnp.arange(4, dtype=dt),)))
+            y = p.apply(jax_result, (1 << 18,))
+            print("result", type(y).__name__, y.dtype, float(y[-1]))
+    """
+)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_worker_imports_jax_only_when_a_task_needs_it(x64):
+    proc = run_python(_LAZY_SCRIPT.format(x64=x64), env={"JAX_PLATFORMS": "cpu"}, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    n = 1 << 18
+    dt = "float64" if x64 else "float32"
+    assert lines[0] == f"numpy ({float(1 << 20)}, False)"
+    assert lines[1] == "numpy (10.0, False)"  # still no JAX in the worker
+    assert lines[2] == f"jax ('ArrayImpl', '{dt}', {float(n * (n - 1) // 2)}, True)"
+    assert lines[3] == f"small ('ArrayImpl', '{dt}', 6.0, True)"
+    # x64 reached the worker's JAX through its environment although JAX started late there
+    assert lines[4] == f"result ArrayImpl {dt} {float(n - 1)}"
+
+
+def test_import_jaxtransport_imports_no_jax():
+    proc = run_python(
+        "import sys, jaxtransport as jt\n"
+        "assert 'jax' not in sys.modules\n"
+        "jt.ShmCapacityError, jt.Pool\n"  # the Pool's machinery loads JAX; the errors do not
+        "assert issubclass(jt.TracerTransportError, __import__('jax').errors.ConcretizationTypeError)\n"
+        "print('ok', sorted(set(jt.__all__) - set(dir(jt))))\n"
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok []", proc.stderr
+
+
+def _sum_and_echo(x):
+    return int(x[:: 4096].astype(np.int64).sum()), np.full(x.nbytes, 9, np.uint8)
+
+
+def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
+    """Arguments and results of rising then falling sizes: segments are grown in place (the
+    workers forget the old ids and map the new ones) and larger free slots are reused."""
+    with jt.Pool(1) as p:
+        for mib in (3, 5, 9, 17, 12, 7, 17):
+            x = np.full(mib * MIB, mib, np.uint8)
+            total, back = p.apply(_sum_and_echo, (x,))
+            assert total == mib * len(range(0, x.nbytes, 4096))
+            assert back.nbytes == x.nbytes and int(back[:: 4096].sum()) == 9 * len(range(0, x.nbytes, 4096))
+            del back
+        arena = p._state.arena
+        assert arena.segments_grown >= 2
+        assert arena.segments_created <= 2
