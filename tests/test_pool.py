@@ -337,7 +337,7 @@ def test_worker_jax_buffers_get_huge_pages():
 
 _GPU_ENV_CODE = """
 import json
-from jaxtransport import _pool_env
+from jaxtransport import _procenv as _pool_env
 gpus = ["0", "1", "2", "3"]
 out = {
     "one_each": [_pool_env.worker_env(i, devices_per_worker=None, overrides=None, gpus=gpus).get("CUDA_VISIBLE_DEVICES") for i in range(5)],
