@@ -254,16 +254,47 @@ class Prepared:
 
 def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     """Standard pickling (functions and classes by reference, as multiprocessing sends results),
-    with the array routes; raises the pickling error. None when ``obj`` holds a Tracer (the
-    cloudpickle path names it)."""
+    with the array routes. None when ``obj`` needs the user-code pickler: it holds a Tracer (that
+    path names it) or something it cannot pickle by reference (``_ResultEncoder`` then sends
+    ``__main__`` code by value and refuses the rest, as multiprocessing does)."""
     buf = io.BytesIO()
     p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(router.tree_type)
     try:
         p.dump(obj)
-    except _Fallback:
+    except _pickling.tracer_error_type():
+        raise
+    except Exception:
         return None
     return buf.getvalue()
+
+
+def _found_by_reference(obj: Any) -> bool:
+    """Whether ``obj`` (a function or class) is what its module and qualified name lead to."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    target: Any = module
+    for part in (getattr(obj, "__qualname__", "") or "").split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return False
+    return target is obj
+
+
+class _ResultEncoder(_Encoder):
+    """Results: code defined in the script's ``__main__`` travels as arguments do (the parent
+    may hold it only by value); any other function or class that cannot be found by reference
+    (a lambda, a local function) fails to pickle, as in multiprocessing.Pool."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) not in (
+            "__main__", "__mp_main__", "builtins"
+        ) and not _found_by_reference(obj):
+            raise pickle.PicklingError(
+                f"Can't pickle {obj!r}: it is not found as {getattr(obj, '__module__', '?')}."
+                f"{getattr(obj, '__qualname__', '?')} (results are pickled by reference, as "
+                "multiprocessing.Pool sends them)"
+            )
+        return super().reducer_override(obj)
 
 
 def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None,
@@ -285,7 +316,7 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
         router = _encoding.router = _Router(limit, tree_type)
         buf = io.BytesIO()
         try:
-            _Encoder(buf, router).dump(obj)
+            (_Encoder if by_value else _ResultEncoder)(buf, router).dump(obj)
         except _pickling.tracer_error_type() as e:
             path = locate() if (locate is not None and e.path is None) else None
             if path is not None:
