@@ -191,8 +191,16 @@ class ShmHandleError(TransportError, ValueError):
     bounds). Only the task that carried it fails."""
 
 
-class RemoteTraceback(Exception):
-    """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised errors."""
+def _mp_remote_traceback() -> type:
+    from multiprocessing.pool import RemoteTraceback as _Base
+
+    return _Base
+
+
+class RemoteTraceback(_mp_remote_traceback()):
+    """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised errors.
+    A subclass of ``multiprocessing.pool.RemoteTraceback``, so handlers written for the stock
+    pool catch it."""
 
     def __init__(self, tb: str):
         super().__init__(tb)

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import numpy as np
 
@@ -62,7 +62,30 @@ SLAB = 2 << 20  # size classes below this share a segment of this size
 _MIN_CLASS = 4096
 _FD_MSG = struct.Struct("<QQ")  # segment id, segment size
 
-Handle = tuple  # (seg_id, offset, nbytes, generation)
+
+
+class Handle(NamedTuple):
+    """A slot of a sender's arena: segment id, offset and length in it, and the slot's
+    generation (a stale or doubled release names an old generation and is ignored). Travels as
+    a plain tuple; :meth:`parse` validates one that arrived."""
+
+    seg: int
+    offset: int
+    nbytes: int
+    gen: int
+
+    @classmethod
+    def parse(cls, v: Any, what: str = "handle") -> "Handle":
+        """``v`` as a Handle; ShmHandleError (a CorruptTransferError's sibling: only the task
+        that carried it fails) unless it is four non-negative ints."""
+        if type(v) is cls:
+            return v
+        if isinstance(v, tuple) and len(v) == 4 and all(type(x) is int and x >= 0 for x in v):
+            return cls(*v)
+        raise ShmHandleError(
+            f"Bad shared-memory handle {v!r} in a {what}: expected (segment, offset, nbytes, "
+            "generation), four non-negative ints. The message is corrupt; only its task fails."
+        )
 
 
 def size_class(nbytes: int) -> int:
@@ -111,9 +134,13 @@ def free_memory() -> int:
     return min(avail, cg) if cg is not None else avail
 
 
-def default_capacity() -> int:
-    """Default per-sender cap on recycled shared memory: half the free memory, at least 256 MiB."""
-    return max(free_memory() // 2, 256 << 20)
+MIN_CAPACITY = 256 << 20
+
+
+def default_capacity(share: float = 1.0) -> int:
+    """Default cap on one sender's recycled shared memory: ``share`` of half the free memory
+    (the budget of a whole pool: its senders split it), at least MIN_CAPACITY."""
+    return max(int(free_memory() // 2 * share), MIN_CAPACITY)
 
 
 def _fmt(n: int) -> str:
@@ -383,6 +410,7 @@ class Arena:
         self._next_id = 1
         self.mapped = 0  # bytes of all segments
         self._forgotten: list[int] = []
+        self._deferred: collections.deque = collections.deque()  # (handle, borrower) to release
         self.closed = False
         self.segments_created = 0
         self.segments_grown = 0
@@ -406,6 +434,7 @@ class Arena:
 
     def in_use(self) -> int:
         with self.cond:
+            self._apply_deferred()
             return sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
 
     def held_by(self, borrower: Hashable) -> int:
@@ -413,9 +442,29 @@ class Arena:
             return sum(s.refs.get(borrower, 0) for s in self._slots.values())
 
     def take_forgotten(self) -> list[int]:
+        """Ids of segments this arena unmapped since the last call (receivers may unmap them)."""
         with self.cond:
             out, self._forgotten = self._forgotten, []
             return out
+
+    def has_forgotten(self) -> bool:
+        return bool(self._forgotten)
+
+    def defer_release(self, handle: Handle, borrower: Hashable) -> None:
+        """Queue ``release(handle, borrower)`` for the next time the arena is used. Safe from a
+        weakref finalizer in any thread, even one that holds ``cond`` (an atomic append)."""
+        self._deferred.append((handle, borrower))
+        # A waiting alloc re-checks every few ms (see alloc); nothing else to wake here.
+
+    def _apply_deferred(self) -> None:
+        # Called with cond held.
+        pop = self._deferred.popleft
+        while self._deferred:
+            try:
+                handle, borrower = pop()
+            except IndexError:
+                return
+            self._release_locked(handle, borrower, 1)
 
     # -- allocation
     def _new_segment(self, cls: int) -> None:
@@ -555,6 +604,8 @@ class Arena:
                 if self.reserve_error is not None:
                     err, self.reserve_error = self.reserve_error, None
                     raise err
+                if self._deferred:
+                    self._apply_deferred()
                 free = self._free.get(cls)
                 if free:
                     key = free.pop()
@@ -581,7 +632,7 @@ class Arena:
             slot = self._slots[key]
             slot.gen += 1
             slot.refs = {borrower: 1}
-            handle = (key[0], key[1], nbytes, slot.gen)
+            handle = Handle(key[0], key[1], nbytes, slot.gen)
         view = np.frombuffer(seg.mm, np.uint8, count=nbytes, offset=key[1])
         return handle, view
 
@@ -621,17 +672,22 @@ class Arena:
     def release(self, handle: Handle, borrower: Hashable, count: int = 1) -> bool:
         """Drop ``count`` references of ``borrower``; False (ignored) for stale/unknown ones."""
         with self.cond:
-            slot = self._slot(handle)
-            if slot is None or borrower not in slot.refs:
-                return False
-            left = slot.refs[borrower] - count
-            if left > 0:
-                slot.refs[borrower] = left
-            else:
-                del slot.refs[borrower]
-                if not slot.refs:
-                    self._free_slot(handle, slot)
-            return True
+            if self._deferred:
+                self._apply_deferred()
+            return self._release_locked(handle, borrower, count)
+
+    def _release_locked(self, handle: Handle, borrower: Hashable, count: int) -> bool:
+        slot = self._slot(handle)
+        if slot is None or borrower not in slot.refs:
+            return False
+        left = slot.refs[borrower] - count
+        if left > 0:
+            slot.refs[borrower] = left
+        else:
+            del slot.refs[borrower]
+            if not slot.refs:
+                self._free_slot(handle, slot)
+        return True
 
     def release_many(self, handles, borrower: Hashable) -> None:
         for h in handles:

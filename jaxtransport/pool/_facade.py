@@ -18,11 +18,8 @@ What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
   WorkerLostError instead of hanging (python/cpython#66587); the pool replaces the worker.
   Nothing is left behind: memfd segments have no name in /dev/shm, workers exit with their parent.
 
-The parent runs two daemon threads per pool: a *manager* (reads results, watches worker
-sentinels, schedules chunks, replaces dead workers) and a *feeder* (the only writer to worker
-pipes, so a large message never blocks result reading). At most two chunks are in flight per
-worker; when a worker dies, the chunk it was running fails and the one queued behind it is
-requeued.
+How the parts fit (threads, ownership, lock order) is drawn at the top of the package
+(``jaxtransport/pool/__init__.py``).
 """
 
 from __future__ import annotations
@@ -34,66 +31,15 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
-from .. import _codec, _procenv, _shm
 from . import _wire
+from .. import _codec, _procenv, _shm
 from .._errors import PoolStateError
+from .._tracers import find_tracer
+from ._engine import Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
-from ._state import _first_tracer, _locator, _State, _terminate_unreferenced, _TreeRec
+from ._trees import SharedTree
 
 __all__ = ["Pool", "SharedTree", "AsyncResult", "MapResult", "IMapIterator"]
-
-class SharedTree:
-    """A pytree whose arrays were copied once into a Pool's shared memory (``Pool.share``).
-
-    Pass it anywhere inside task arguments, to any number of tasks: only a small id travels, and
-    in the worker it unpickles as the tree itself (arrays aliasing the shared copy on CPU,
-    read-only), materialized once per worker and cached until :meth:`release` or pool close.
-    The memory is freed when it is released and every worker has dropped it. Also a context
-    manager (releases on exit) and released automatically when garbage-collected.
-
-    Attributes: ``tree`` (the parent's original tree), ``nbytes`` (bytes in shared memory).
-    """
-
-    def __init__(self, state: _State, rec: _TreeRec, tree: Any):
-        self._state = state
-        self._rec = rec
-        self._tree_id = rec.tree_id
-        self.tree = tree
-        # Garbage collection only queues the release (it may run while this thread holds the
-        # pool's locks); the manager thread applies it. release() applies it at once.
-        self._finalizer = weakref.finalize(self, state.queue_tree_release, rec)
-
-    @property
-    def nbytes(self) -> int:
-        return self._rec.nbytes
-
-    @property
-    def released(self) -> bool:
-        return self._rec.released
-
-    def release(self) -> None:
-        """Stop using this tree: workers drop their cached copy, and the shared memory is freed
-        once every worker has dropped its arrays. Tasks already submitted still see it.
-        Calling it again is harmless."""
-        if self._finalizer.detach() is not None:
-            self._state.release_tree(self._rec)
-
-    def __enter__(self) -> "SharedTree":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __reduce__(self):
-        raise PoolStateError(
-            "A SharedTree only travels as (part of) an argument of its own jaxtransport.Pool's "
-            "tasks; it cannot be pickled otherwise. Pass shared.tree to send the tree itself."
-        )
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "live"
-        return f"<jaxtransport.SharedTree {self._tree_id} ({_shm._fmt(self.nbytes)} shared, {state})>"
-
 
 class Pool:
     """A process pool with ``multiprocessing.Pool``'s API for functions that take and return
@@ -115,8 +61,11 @@ class Pool:
         ``CUDA_VISIBLE_DEVICES`` on multi-GPU hosts); a value of None unsets a variable.
       shm_capacity: cap in bytes on the recycled shared memory of each sending process (the
         parent for arguments and shared trees, each worker for its results). Default: half the
-        free memory. When reached, a sender waits for receivers to drop arrays, then raises
-        ShmCapacityError.
+        free memory for the pool as a whole (a half of it for the parent, the other half split
+        among the workers; at least 256 MiB each). When reached, a sender waits for receivers
+        to drop arrays (while tasks are in flight), then raises ShmCapacityError: a clear error,
+        never the out-of-memory killer. ``imap`` submits only a bounded number of chunks ahead
+        of its consumer, so a slow consumer makes workers wait instead of filling it.
       devices_per_worker: GPUs per worker on multi-GPU hosts (default 1), assigned round-robin.
       shm_reserve: bytes of shared memory to make ready while the workers start, so that the
         first large transfers pay no page faults: an int ``n`` reserves one slot for an array of
@@ -170,22 +119,31 @@ class Pool:
         if shm_capacity is not None and (not isinstance(shm_capacity, int) or shm_capacity <= 0):
             raise ValueError(f"shm_capacity must be a positive int (bytes) or None, got {shm_capacity!r}")
         _codec.check_placement(placement)
+        if multiprocessing.current_process().daemon:
+            raise PoolStateError(
+                "A jaxtransport.Pool cannot be created inside a daemonic process, such as a worker "
+                "of another Pool (daemonic processes may not have children). Run the nested work "
+                "in the task itself, or return it to the parent and submit it to the outer pool."
+            )
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
-        capacity = shm_capacity or _shm.default_capacity()
-        for side, n in (("arguments", args_reserve), ("results", results_reserve)):
-            if n and _shm.size_class(n) > capacity:
+        # Default: half the free memory for the pool as a whole, half of that for the parent
+        # (arguments, shared trees), the other half split among the workers (results).
+        capacity = shm_capacity or _shm.default_capacity(0.5)
+        worker_capacity = shm_capacity or _shm.default_capacity(0.5 / processes)
+        for side, n, cap in (("arguments", args_reserve, capacity), ("results", results_reserve, worker_capacity)):
+            if n and _shm.size_class(n) > cap:
                 raise ValueError(
                     f"shm_reserve asks for {n} bytes ({_shm._fmt(n)}) for {side}, more than "
-                    f"shm_capacity={capacity} ({_shm._fmt(capacity)}) allows per process. Lower "
+                    f"shm_capacity={cap} ({_shm._fmt(cap)}) allows per process. Lower "
                     "shm_reserve or raise shm_capacity."
                 )
         self._processes = processes
-        self._state = _State(
+        self._state = Engine(
             processes=processes, initializer=initializer, initargs=tuple(initargs),
             maxtasksperchild=maxtasksperchild, start_method=start_method,
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
-            shm_capacity=capacity, devices_per_worker=devices_per_worker, tree_type=SharedTree,
-            results_reserve=results_reserve,
+            shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
+            tree_type=SharedTree, results_reserve=results_reserve,
         )
         if args_reserve:
             try:
@@ -193,7 +151,7 @@ class Pool:
             except BaseException:
                 self._state.terminate()
                 raise
-        self._finalizer = weakref.finalize(self, _terminate_unreferenced, self._state)
+        self._finalizer = weakref.finalize(self, terminate_unreferenced, self._state)
         self._finalizer.atexit = False  # at exit the atexit hook terminates it, silently
 
     # -- submitting
@@ -272,22 +230,23 @@ class Pool:
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
         it = IMapIterator(self, ordered)
         if isinstance(iterable, (list, tuple, range)):
+            # Phase 1 here, so a Tracer or an unpicklable item fails the call itself.
             preps = []
             blob = state.function_blob(func) if len(iterable) > chunksize else func
             for start in range(0, len(iterable), chunksize):
                 part = list(iterable[start : start + chunksize])
                 preps.append(state.prepare_chunk(blob, "map", part, _locator(func, part, start)))
-            it._set_length(len(preps))
-            for i, prep in enumerate(preps):
-                state.submit(prep, it, i)
-            return it
-        threading.Thread(target=_feed_imap, args=(state, it, func, iter(iterable), chunksize),
+            source = iter(preps)
+        else:
+            source = _prepare_lazily(state, func, iter(iterable), chunksize)
+        threading.Thread(target=_feed_imap, args=(state, it, source),
                          name="jaxtransport-pool-imap", daemon=True).start()
         return it
 
     def imap(self, func: Callable, iterable: Iterable, chunksize: int = 1) -> IMapIterator:
-        """Lazy ``map``: an iterator of results in order. A non-sequence iterable is consumed
-        by a background thread, a bounded number of chunks ahead of the workers."""
+        """Lazy ``map``: an iterator of results in order. Chunks are submitted by a background
+        thread, a bounded number ahead of the consumer: results not yet taken count, so a slow
+        consumer makes the workers wait instead of piling results up in shared memory."""
         return self._imap(func, iterable, chunksize, True)
 
     def imap_unordered(self, func: Callable, iterable: Iterable, chunksize: int = 1) -> IMapIterator:
@@ -304,15 +263,14 @@ class Pool:
         """
         state = self._state
         state.check_running()
-        rec = _TreeRec(next(state.tree_ids))
+        rec = state.trees.new()
         prep = _wire.prepare(tree, threshold=state.threshold, tree_type=None,
-                                  locate=lambda: _first_tracer((tree, "tree")))
+                             locate=lambda: _first_tracer((tree, "tree")))
         state.tls.wait_start = None
         rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
         rec.nbytes = sum(h[2] for h in rec.enc.handles)
-        with state.lock:
-            state.trees[rec.tree_id] = rec
-        return SharedTree(state, rec, tree)
+        state.trees.add(rec)
+        return SharedTree(state.trees, rec, tree)
 
     # -- lifecycle
     def close(self) -> None:
@@ -340,7 +298,7 @@ class Pool:
 
     def __repr__(self) -> str:
         s = self._state
-        status = "terminated" if s.terminated else "broken" if s.broken else "closed" if s.closed else "running"
+        status = s.flags.describe()
         return f"<jaxtransport.Pool state={status} processes={self._processes} start_method={s.start_method!r}>"
 
     def __reduce__(self):
@@ -361,33 +319,72 @@ def _reserve_sizes(shm_reserve) -> tuple[int, int]:
     return pair
 
 
-def _feed_imap(state: _State, it: IMapIterator, func, source, chunksize: int) -> None:
+def _prepare_lazily(state: Engine, func, source, chunksize: int):
+    index = 0
+    while True:
+        part = list(itertools.islice(source, chunksize))
+        if not part:
+            return
+        yield state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize))
+        index += 1
+
+
+def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
+    """Submit imap's chunks while fewer than ``2 * processes + 2`` are in flight or finished
+    and not yet consumed (backpressure on both the workers and the results)."""
+    index = 0
+    limit = 2 * state.processes + 2
     with state.space:
         state.imap_feeders += 1
     try:
-        _feed_imap_chunks(state, it, func, source, chunksize)
-    finally:
-        with state.space:
-            state.imap_feeders -= 1
-
-
-def _feed_imap_chunks(state: _State, it: IMapIterator, func, source, chunksize: int) -> None:
-    index = 0
-    limit = 2 * state.processes + 2
-    try:
-        while True:
-            part = list(itertools.islice(source, chunksize))
-            if not part:
-                break
+        for prep in preps:
             with state.space:
-                while state.in_flight() >= limit and not (state.terminated or state.broken):
-                    state.space.wait(0.1)
-            if state.terminated or state.broken is not None:
+                while (state.in_flight() + it._unconsumed() >= limit) and not state.flags.stopped:
+                    state.space.wait(0.02)
+            if state.flags.stopped:
                 raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
-            prep = state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize))
             state.submit(prep, it, index)
             index += 1
+            del prep
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it._chunk_done(index, False, e)
         index += 1
+    finally:
+        with state.space:
+            state.imap_feeders -= 1
     it._set_length(index)
+
+
+def _first_tracer(*pairs) -> str | None:
+    for obj, root in pairs:
+        found = find_tracer(obj, root)
+        if found is not None:
+            return found[0] or root
+        if callable(obj):  # a closure or defaults holding a tracer: name the captured variable
+            code = getattr(obj, "__code__", None)
+            cells = getattr(obj, "__closure__", None) or ()
+            names = code.co_freevars if code is not None else ()
+            for name, cell in zip(names, cells):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                found = find_tracer(value, f"{root}.<closure {name}>")
+                if found is not None:
+                    return found[0]
+            for i, value in enumerate(getattr(obj, "__defaults__", None) or ()):
+                found = find_tracer(value, f"{root}.__defaults__[{i}]")
+                if found is not None:
+                    return found[0]
+    return None
+
+
+def _locator(func, part, start):
+    def locate():
+        for j, item in enumerate(part):
+            found = find_tracer(item, f"iterable[{start + j}]")
+            if found is not None:
+                return found[0]
+        return _first_tracer((func, "func"))
+
+    return locate

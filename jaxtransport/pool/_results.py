@@ -1,21 +1,79 @@
 """Result objects of jaxtransport.Pool, with multiprocessing.pool's semantics.
 
 ``AsyncResult`` (``apply_async``), ``MapResult`` (``map_async``/``starmap_async``) and
-``IMapIterator`` (``imap``/``imap_unordered``). Each is completed by the pool's manager thread
-through ``_chunk_done(chunk_index, ok, value)`` where ``value`` is the list of a chunk's results
-or an exception. Callbacks run in the manager thread (as in multiprocessing); one that raises is
-reported on stderr and does not disturb the pool.
+``IMapIterator`` (``imap``/``imap_unordered``). Each is completed through
+``_chunk_done(chunk_index, ok, value)`` where ``value`` is the list of a chunk's results or an
+exception: by the manager thread for a result without callbacks, by the pool's callback thread
+(:class:`CallbackRunner`) for one with callbacks, so a callback may submit tasks and wait for
+them (``pool.apply`` works) without stalling result reading. Waiting in a callback for a result
+that itself needs the callback thread raises PoolStateError at once instead of deadlocking. A
+callback that raises is reported on stderr and does not disturb the pool.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import queue
 import sys
 import threading
 import traceback
 
-__all__ = ["AsyncResult", "MapResult", "IMapIterator"]
+from .._errors import PoolStateError
+
+__all__ = ["AsyncResult", "MapResult", "IMapIterator", "CallbackRunner"]
+
+_in_callback = threading.local()  # .active: this thread is a pool's callback thread
+
+
+class CallbackRunner:
+    """One thread per pool that completes results with callbacks, in completion order. Started
+    at the first such result."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def deliver(self, result, index: int, ok: bool, value) -> None:
+        if not result._has_callbacks():
+            result._chunk_done(index, ok, value)
+            return
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="jaxtransport-pool-callbacks", daemon=True)
+                self.thread.start()
+        self.queue.put((result, index, ok, value))
+
+    def _run(self) -> None:
+        _in_callback.active = True
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            result, index, ok, value = item
+            del item
+            result._chunk_done(index, ok, value)
+            del result, value
+
+    def close(self) -> None:
+        """Run what is queued, then end the thread (not waited for from the thread itself)."""
+        with self.lock:
+            t = self.thread
+        if t is not None:
+            self.queue.put(None)
+            if t is not threading.current_thread():
+                t.join(5)
+
+
+def _refuse_wait_in_callback(result) -> None:
+    if getattr(_in_callback, "active", False) and result._has_callbacks():
+        raise PoolStateError(
+            "A jaxtransport.Pool callback waited for a result that has a callback itself: "
+            "callbacks run one at a time on the pool's callback thread, so that result could "
+            "never complete. Wait for it outside the callback, or submit it without callback= / "
+            "error_callback= (pool.apply and results without callbacks may be waited for here)."
+        )
 
 
 def _call_quietly(fn, arg) -> None:
@@ -45,7 +103,12 @@ class AsyncResult:
             raise ValueError(f"{self!r} not ready")
         return self._ok
 
+    def _has_callbacks(self) -> bool:
+        return self._callback is not None or self._error_callback is not None
+
     def wait(self, timeout: float | None = None) -> None:
+        if not self._event.is_set():
+            _refuse_wait_in_callback(self)
         self._event.wait(timeout)
 
     def get(self, timeout: float | None = None):
@@ -118,7 +181,15 @@ class IMapIterator:
         self._next_chunk = 0
         self._total_chunks: int | None = None
         self._yielded_chunks = 0
+        self._done_chunks = 0
         self._keepalive = keepalive
+
+    def _has_callbacks(self) -> bool:
+        return False
+
+    def _unconsumed(self) -> int:
+        """Chunks finished whose results were not all taken yet (imap's backpressure)."""
+        return self._done_chunks - self._yielded_chunks
 
     def __iter__(self):
         return self
@@ -130,6 +201,7 @@ class IMapIterator:
 
     def _chunk_done(self, index: int, ok: bool, value) -> None:
         with self._cond:
+            self._done_chunks += 1
             if ok:
                 value = collections.deque(value)
             if self._ordered:

@@ -9,11 +9,9 @@ shared memory is touched) each entry's bytes are copied once into a slot of the 
 goes back as a ``"ref"`` to the peer's own slot (no copy). ``decode`` rebuilds the object; array
 entries alias the received slot (Note [slot lifetime] in ``_shm``).
 
-Entry forms (plain tuples on the wire):
-- ``("np", dtype, shape, handle)``
-- ``("jax", meta, ((offset, nbytes), ...), handle)`` -- one slot holds all of an array's buffers
-- ``("ref", kind, info, handle)`` -- a slot of the *receiver's* own arena, ``kind`` "np"/"jax"
-- ``("tree", tree_id)`` -- a SharedTree, defined once per worker
+Entries travel as plain tuples ``(kind, *fields)`` and are read back as the records of
+``_protocol`` (``NpEntry``, ``JaxEntry`` -- one slot holds all of an array's buffers --,
+``RefEntry`` -- a slot of the *receiver's* own arena --, ``TreeEntry``), validated on arrival.
 """
 
 from __future__ import annotations
@@ -22,12 +20,14 @@ import io
 import pickle
 import sys
 import threading
+import types
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
-from .._errors import ShmHandleError
+from . import _protocol
+from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
@@ -53,7 +53,7 @@ def _entry(k: int) -> Any:
     try:
         return _decoding.resolved[k]
     except (AttributeError, IndexError, TypeError):
-        raise ShmHandleError(f"Corrupt message: entry {k!r} is not in this message") from None
+        raise CorruptTransferError(f"Corrupt message: entry {k!r} is not in this message") from None
 
 
 _encoding = threading.local()  # .router: the _Router of the pickling in progress
@@ -137,7 +137,22 @@ class _Encoder(_usercode.Pickler):
         r = self.route.get(type(obj))
         if r is not None:
             return r(obj)
+        if type(obj) is types.CodeType:
+            return _reduce_code(obj)
         return super().reducer_override(obj)
+
+
+def _reduce_code(code: types.CodeType):
+    """cloudpickle's reduction of a code object, keeping its file name (cloudpickle writes
+    ``<dynamic-code>``), so a worker's traceback names the file and line, and shows the source
+    line when the file is readable there, as multiprocessing.Pool's does."""
+    import cloudpickle
+
+    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # private: probe, else default
+    if reduce is None:
+        return NotImplemented
+    fn, args = reduce(code)
+    return fn, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
 
 
 class _Fallback(Exception):
@@ -237,8 +252,56 @@ class Prepared:
         self.data, self.found, self.trees = data, found, trees
 
 
-def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None) -> Prepared:
+def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
+    """Standard pickling (functions and classes by reference, as multiprocessing sends results),
+    with the array routes. None when ``obj`` needs the user-code pickler: it holds a Tracer (that
+    path names it) or something it cannot pickle by reference (``_ResultEncoder`` then sends
+    ``__main__`` code by value and refuses the rest, as multiprocessing does)."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    p.dispatch_table = _fast_table(router.tree_type)
+    try:
+        p.dump(obj)
+    except _pickling.tracer_error_type():
+        raise
+    except Exception:
+        return None
+    return buf.getvalue()
+
+
+def _found_by_reference(obj: Any) -> bool:
+    """Whether ``obj`` (a function or class) is what its module and qualified name lead to."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    target: Any = module
+    for part in (getattr(obj, "__qualname__", "") or "").split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return False
+    return target is obj
+
+
+class _ResultEncoder(_Encoder):
+    """Results: code defined in the script's ``__main__`` travels as arguments do (the parent
+    may hold it only by value); any other function or class that cannot be found by reference
+    (a lambda, a local function) fails to pickle, as in multiprocessing.Pool."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) not in (
+            "__main__", "__mp_main__", "builtins"
+        ) and not _found_by_reference(obj):
+            raise pickle.PicklingError(
+                f"Can't pickle {obj!r}: it is not found as {getattr(obj, '__module__', '?')}."
+                f"{getattr(obj, '__qualname__', '?')} (results are pickled by reference, as "
+                "multiprocessing.Pool sends them)"
+            )
+        return super().reducer_override(obj)
+
+
+def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None,
+            by_value: bool = True) -> Prepared:
     """Pickle ``obj``, setting aside arrays of at least ``threshold`` bytes (None: none).
+    ``by_value=False``: functions and classes only by reference (results, as multiprocessing:
+    a returned lambda fails to pickle here).
 
     Raises TracerTransportError (with the key path ``locate()`` finds) or the pickling error,
     before any shared memory is touched.
@@ -247,13 +310,13 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
     outer = getattr(_encoding, "router", None)  # pickling can nest (a reducer that pickles)
     router = _encoding.router = _Router(limit, tree_type)
     try:
-        data = _fast_pickle(obj, router)
+        data = _fast_pickle(obj, router) if by_value else _pickle_by_reference(obj, router)
         if data is not None:
             return Prepared(data, router.found, router.trees)
         router = _encoding.router = _Router(limit, tree_type)
         buf = io.BytesIO()
         try:
-            _Encoder(buf, router).dump(obj)
+            (_Encoder if by_value else _ResultEncoder)(buf, router).dump(obj)
         except _pickling.tracer_error_type() as e:
             path = locate() if (locate is not None and e.path is None) else None
             if path is not None:
@@ -293,7 +356,7 @@ def commit(
                 handle, dst = arena.alloc(src.nbytes, borrower, wait)
                 handles.append(handle)
                 np.copyto(dst, src.reshape(-1).view(np.uint8))
-                entries.append(("np", x.dtype, x.shape, handle))
+                entries.append(("np", x.dtype, x.shape, tuple(handle)))
             else:
                 from .. import _codec
 
@@ -306,7 +369,7 @@ def commit(
                 handles.append(handle)
                 for (off, n), b in zip(layout, bufs):
                     np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
-                entries.append(("jax", tuple(meta), tuple(layout), handle))
+                entries.append(("jax", tuple(meta), tuple(layout), tuple(handle)))
             segs.add(handle[0])
     except BaseException:
         for h in handles:
@@ -335,7 +398,7 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
     if h is None:
         return None
     if kind == "np":
-        return ("ref", "np", (x.dtype, x.shape), h)
+        return ("ref", "np", (x.dtype, x.shape), tuple(h))
     from .. import _codec
 
     try:
@@ -344,37 +407,28 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
         return None
     if meta.indices or len(bufs) != 1:
         return None
-    return ("ref", "jax", tuple(meta), h)
+    return ("ref", "jax", tuple(meta), tuple(h))
 
 
 def materialize(
     entry: tuple,
-    mapper: Mapper,
+    holder: Any,
     placement: str,
-    own: Callable[[tuple], Any] | None = None,
     trees: Callable[[int], Any] | None = None,
     readonly: bool = False,
 ) -> Any:
-    """One entry as the object it stands for, aliasing its slot (no copy on CPU)."""
-    kind = entry[0]
-    if kind == "tree":
+    """One parsed entry as the object it stands for, aliasing ``holder`` (no copy on CPU)."""
+    if type(entry) is _protocol.TreeEntry:
         if trees is None:
-            raise ShmHandleError("Corrupt message: a SharedTree reference where none can be")
-        return trees(entry[1])
-    if kind == "ref":
-        if own is None:
-            raise ShmHandleError("Corrupt message: a reference to this process's own memory where none can be")
-        holder = own(entry[3])
-        if entry[1] == "np":
-            return _build("np", entry[2], holder, entry[3], placement, True)
-        return _build("jax", (entry[2], ((0, entry[3][2]),)), holder, entry[3], placement, True)
-    if kind == "np":
-        holder = mapper.holder(entry[3])
-        return _build("np", (entry[1], entry[2]), holder, entry[3], placement, readonly)
-    if kind == "jax":
-        holder = mapper.holder(entry[3])
-        return _build("jax", (entry[1], entry[2]), holder, entry[3], placement, True)
-    raise ShmHandleError(f"Corrupt message: unknown entry kind {kind!r}")
+            raise CorruptTransferError("Corrupt message: a SharedTree reference where none can be")
+        return trees(entry.tree_id)
+    if type(entry) is _protocol.RefEntry:
+        if entry.sub == "np":
+            return _build("np", entry.info, holder, entry.handle, placement, True)
+        return _build("jax", (entry.info, ((0, entry.handle.nbytes),)), holder, entry.handle, placement, True)
+    if type(entry) is _protocol.NpEntry:
+        return _build("np", (entry.dtype, entry.shape), holder, entry.handle, placement, readonly)
+    return _build("jax", (entry.meta, entry.layout), holder, entry.handle, placement, True)
 
 
 def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool) -> Any:
@@ -383,7 +437,10 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
         raw.flags.writeable = False
     if sub == "np":
         dtype, shape = info
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as e:
+            raise CorruptTransferError(f"Corrupt message: {dtype!r} is not a numpy dtype ({e})") from None
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if count * dtype.itemsize != handle[2]:
             raise ShmHandleError(
@@ -394,7 +451,7 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
     meta, layout = info
     bufs = []
     for off, n in layout:
-        if off < 0 or off + n > handle[2]:
+        if off < 0 or n < 0 or off + n > handle[2]:
             raise ShmHandleError(f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)")
         bufs.append(raw[off : off + n])
     from .. import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
@@ -415,25 +472,48 @@ def decode(
     own: Callable | None = None,
     trees: Callable | None = None,
     readonly: bool = False,
+    unheld: list | None = None,
 ) -> Any:
-    """Rebuild what ``encode`` made. Every entry's holder is created first (validating every
-    handle), so a bad handle fails the whole object and releases the good slots."""
+    """Rebuild what ``encode`` made. Every entry is parsed and its holder created first
+    (validating every handle), so a bad entry fails the whole object and the good slots are
+    released with their holders. On failure the indices of entries whose slot this process never
+    held (the sender still counts them) are appended to ``unheld``; nothing refers to a holder
+    after the call, so the slots go back without waiting for the cyclic garbage collector."""
+    parsed: list = []
+    holders: list = []
+    try:
+        for e in entries:
+            rec = _protocol.parse_entry(e)
+            if type(rec) is _protocol.TreeEntry:
+                holder = None
+            elif type(rec) is _protocol.RefEntry:
+                if own is None:
+                    raise CorruptTransferError("Corrupt message: a reference to this process's own memory where none can be")
+                holder = own(rec.handle)
+            else:
+                holder = mapper.holder(rec.handle)
+            parsed.append(rec)
+            holders.append(holder)
+    except BaseException:
+        if unheld is not None:
+            unheld.extend(range(len(parsed), len(entries)))
+        parsed.clear()
+        holders.clear()
+        holder = None  # noqa: F841 - the traceback keeps this frame: hold no slot in it
+        raise
     resolved = []
-    for i, e in enumerate(entries):
-        try:
-            resolved.append(materialize(e, mapper, placement, own, trees, readonly))
-        except BaseException as err:
-            # The sender still counts a reference for every slot this message carried. Slots
-            # wrapped in a holder are released when the holder dies; tell the caller which
-            # entries never got one (this one, if its handle was rejected, and all later ones).
-            rejected = isinstance(err, ShmHandleError)
-            err.unheld = ([i] if rejected else []) + list(range(i + 1, len(entries)))
-            raise
     token = _pickling._placement_override.set(placement)
     outer = getattr(_decoding, "resolved", None)
-    _decoding.resolved = resolved
     try:
+        for rec, holder in zip(parsed, holders):
+            resolved.append(materialize(rec, holder, placement, trees, readonly))
+        holders.clear()
+        _decoding.resolved = resolved
         return pickle.loads(data)
     finally:
         _decoding.resolved = outer
         _pickling._placement_override.reset(token)
+        resolved.clear()  # the result refers to what it needs; a traceback must not hold slots
+        holders.clear()
+        parsed.clear()
+        rec = holder = None  # noqa: F841

@@ -2,15 +2,10 @@
 
 A worker receives messages from its parent on one pipe and segment fds on a SOCK_SEQPACKET socket
 (see ``_shm``), runs task chunks one at a time, and sends each chunk's results back, large arrays
-through its own :class:`~jaxtransport._shm.Arena`. Messages (tuples, standard pickle):
-
-parent -> worker                                   worker -> parent
-``("T", chunk_id, data, entries, releases)``       ``("I", ok, error)`` after the initializer
-``("D", tree_id, data, entries)`` define a tree    ``("R", chunk_id, ok, data, entries, releases)``
-``("X", tree_id)`` drop a tree                     ``("L", releases)`` releases of parent slots
-``("L", releases)`` releases of worker slots       ``("F", seg_ids)`` segments it unmapped
-``("F", seg_ids)`` parent segments unmapped        ``("Q",)`` leaving (maxtasksperchild)
-``("S",)`` stop
+through its own :class:`~jaxtransport._shm.Arena`. The messages are the records of
+``_protocol``; each one is validated on arrival. A malformed task fails that task (its chunk id
+is readable) with CorruptTransferError; a message that cannot be read at all is reported to the
+parent (``Garbled``), which replaces the worker, since whatever it carried is lost.
 
 The worker exits when told to, when its pipe closes, or when its parent process dies (a pidfd
 watchdog: the parent may have been SIGKILLed). SIGINT is ignored: Ctrl-C is the parent's to handle.
@@ -90,9 +85,10 @@ class _Worker:
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
         from .. import _shm
-        from . import _wire
+        from . import _protocol, _wire
 
         self.wire = _wire
+        self.protocol = _protocol
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
@@ -116,7 +112,7 @@ class _Worker:
     # -- sending
     def send(self, msg) -> None:
         try:
-            self.conn.send_bytes(pickle.dumps(msg, protocol=5))
+            self.conn.send_bytes(self.protocol.dumps(msg))
         except (OSError, EOFError):
             self.parent_gone = True
             raise SystemExit(0) from None
@@ -141,32 +137,58 @@ class _Worker:
         forgotten = self.arena.take_forgotten()
         if forgotten:
             self.sent_segs.difference_update(forgotten)
-            self.send(("F", forgotten))
+            self.send(self.protocol.Forget(forgotten))
         if rel:
-            self.send(("L", rel))
+            self.send(self.protocol.Release([tuple(h) for h in rel]))
 
     # -- receiving
     def recv(self, timeout: float | None):
-        if timeout is not None and not self.conn.poll(timeout):
-            return None
+        """The next valid message (None: none within ``timeout``). A malformed one is reported
+        (a task whose chunk id is readable fails alone; anything else: ``Garbled``)."""
+        P = self.protocol
+        while True:
+            if timeout is not None and not self.conn.poll(timeout):
+                return None
+            try:
+                raw = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                raise SystemExit(0) from None
+            try:
+                return P.loads(raw, P.TO_WORKER)
+            except P.CorruptTransferError as e:
+                self.report_garbled(raw, e)
+
+    def report_garbled(self, raw: bytes, err: BaseException) -> None:
+        P = self.protocol
         try:
-            return pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            raise SystemExit(0) from None
+            msg = pickle.loads(raw)
+            chunk_id = msg[1] if msg[0] == P.Task.KIND and type(msg[1]) is int else None
+        except Exception:  # noqa: BLE001
+            chunk_id = None
+        if chunk_id is None:
+            # Whatever it carried is lost: say so and exit before starting anything sent after
+            # it (the parent reruns that elsewhere and replaces this worker).
+            self.flush_releases()
+            self.send(P.Garbled(str(err)))
+            raise SystemExit(0)
+        # Its slots were never held here: the parent releases them (every entry unheld).
+        n = len(msg[3]) if len(msg) > 3 and isinstance(msg[3], (list, tuple)) else 0
+        self.send(P.Result(chunk_id, False, _pack_error(err), [], [], list(range(n)), 0.0))
 
     def handle_control(self, msg) -> bool:
         """Apply a non-task message; False when ``msg`` is a task or stop (for the caller)."""
-        kind = msg[0]
-        if kind == "L":
-            for h in msg[1]:
+        P = self.protocol
+        kind = type(msg)
+        if kind is P.Release:
+            for h in msg.handles:
                 self.arena.release(h, "parent")
-        elif kind == "D":
-            self.trees[msg[1]] = (msg[2], msg[3])
-        elif kind == "X":
-            self.trees.pop(msg[1], None)
-            self.tree_cache.pop(msg[1], None)
-        elif kind == "F":
-            self.mapper.forget(msg[1])
+        elif kind is P.DefineTree:
+            self.trees[msg.tree_id] = (msg.data, msg.entries)
+        elif kind is P.DropTree:
+            self.trees.pop(msg.tree_id, None)
+            self.tree_cache.pop(msg.tree_id, None)
+        elif kind is P.Forget:
+            self.mapper.forget(msg.seg_ids)
         else:
             return False
         return True
@@ -214,54 +236,61 @@ class _Worker:
                 init, initargs = pickle.loads(cfg["initializer"])
                 init(*initargs)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
-            self.send(("I", False, _pack_error(e)))
+            self.send(self.protocol.Ready(False, _pack_error(e)))
             return
-        self.send(("I", True, None))
+        self.send(self.protocol.Ready(True, None))
         done = 0
+        idle = True
         maxtasks = cfg["maxtasks"]
         while True:
             if self.backlog:
                 msg = self.backlog.pop(0)
             else:
-                busy = self.mapper.pending or self.arena._forgotten
+                if not self.conn.poll(0):
+                    idle = True  # nothing waiting: the next task is not implied by a Result
+                busy = self.mapper.pending or self.arena.has_forgotten()
                 msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
             if self.handle_control(msg):
                 continue
-            if msg[0] == "S":
+            if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
+            if idle:
+                # It arrived while this worker waited: announce it (see _protocol.Started).
+                self.send(self.protocol.Started(msg.chunk_id))
             self.run_chunk(msg)
+            idle = False
             done += 1
             if maxtasks and done >= maxtasks:
                 import gc
 
                 gc.collect()
                 self.flush_releases()
-                self.send(("Q",))
+                self.send(self.protocol.Leaving())
                 return
 
     def run_chunk(self, msg) -> None:
-        _, chunk_id, data, entries, releases = msg
-        for h in releases:
+        chunk_id, data, entries = msg.chunk_id, msg.data, msg.entries
+        for h in msg.releases:
             self.arena.release(h, "parent")
         ok = True
-        unheld = ()
+        unheld: list = []
+        start = time.perf_counter()
         try:
-            try:
-                fn, mode, items = self.wire.decode(data, entries, self.mapper, self.placement, trees=self.tree)
-            except BaseException as e:
-                unheld = getattr(e, "unheld", ())
-                raise
+            fn, mode, items = self.wire.decode(data, entries, self.mapper, self.placement, trees=self.tree,
+                                               unheld=unheld)
             del data, entries, msg
             if mode == "apply":
                 out = [fn(*a, **k) for a, k in items]
             elif mode == "star":
                 out = [fn(*a) for a in items]
-            else:
+            elif mode == "map":
                 out = [fn(a) for a in items]
+            else:
+                raise self.protocol.CorruptTransferError(f"Corrupt task: unknown mode {mode!r}")
             del fn, items
         except BaseException as e:  # noqa: BLE001 - sent to the parent
             if isinstance(e, (SystemExit,)) and self.parent_gone:
@@ -269,48 +298,69 @@ class _Worker:
             ok = False
             out = _pack_error(e)
             e = None  # noqa: F841  (drop the traceback's frames: they hold arrays)
+        seconds = time.perf_counter() - start
         self._wait_start = None
-        try:
-            enc = self.wire.encode(
-                out,
-                threshold=self.threshold,
-                arena=self.arena,
-                borrower="parent",
-                wait=self.wait_for_release,
-                peer=self.mapper,
-            )
-        except BaseException as e:  # noqa: BLE001
-            ok = False
-            enc = self.wire.encode(
-                _pack_error(e, note="while sending the task's result back to the parent"),
-                threshold=None,
-                arena=None,
-                borrower=None,
-            )
+        if ok:
+            ok, data, entries, segs = self.encode_results(out)
+        else:
+            data, entries, segs = out, [], ()
         del out
-        self.send_fds(enc.segs)
+        self.send_fds(segs)
         rel = self.mapper.take_releases()
         forgotten = self.arena.take_forgotten()
         if forgotten:
             self.sent_segs.difference_update(forgotten)
-            self.send(("F", forgotten))
-        self.send(("R", chunk_id, ok, enc.data, enc.entries, rel, tuple(unheld)))
+            self.send(self.protocol.Forget(forgotten))
+        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+
+    def encode_results(self, out: list):
+        """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
+        multiprocessing's do: one that does not pickle fails with MaybeEncodingError."""
+        from multiprocessing.pool import MaybeEncodingError
+
+        try:
+            prep = self.wire.prepare(out, threshold=self.threshold, by_value=False)
+        except BaseException as e:  # noqa: BLE001
+            bad = next((r for r in out if not _picklable(r)), out)
+            return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
+        try:
+            enc = self.wire.commit(prep, arena=self.arena, borrower="parent", wait=self.wait_for_release,
+                                   peer=self.mapper)
+        except BaseException as e:  # noqa: BLE001
+            return False, _pack_error(e, note="while sending the task's result back to the parent"), [], ()
+        return True, enc.data, enc.entries, enc.segs
+
+
+def _picklable(obj) -> bool:
+    try:
+        pickle.dumps(obj, protocol=5)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _pack_error(e: BaseException, note: str | None = None):
-    """(exception, formatted remote traceback); the exception replaced by a picklable stand-in
-    when it does not pickle."""
+    """An ErrorReport: the exception pickled (cloudpickle, so classes defined in ``__main__``
+    travel), and its class, message and traceback as text for when it does not rebuild."""
     import cloudpickle
+
+    from ._protocol import ErrorReport
 
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     if note:
         tb = f"{tb}({note})\n"
     e.__traceback__ = None
-    exc = e
+    mod = type(e).__module__
+    name = type(e).__qualname__ if mod == "builtins" else f"{mod}.{type(e).__qualname__}"
     try:
-        pickle.loads(cloudpickle.dumps(e))  # it must also rebuild in the parent
-    except Exception:
+        message = str(e)
+    except Exception:  # noqa: BLE001
+        message = "<unprintable>"
+    try:
+        blob = cloudpickle.dumps(e)
+        pickle.loads(blob)  # it must also rebuild here (the parent checks again)
+    except Exception:  # noqa: BLE001
         from .._errors import TransportError
 
-        exc = TransportError(f"{type(e).__module__}.{type(e).__qualname__}: {e} (the original exception could not be pickled)")
-    return (exc, tb)
+        blob = pickle.dumps(TransportError(f"{name}: {message} (the original exception could not be pickled)"))
+    return tuple(ErrorReport(blob, name, message, tb))

@@ -1,0 +1,361 @@
+"""The engine behind jaxtransport.Pool: it owns the parts and the one lock over their books.
+
+Parts: ``Lifecycle`` (flags), ``Scheduler`` (pending and in-flight chunks), the worker records
+(``_workers``, each with its sender thread), ``TreeBook`` (shared trees), the ``Manager`` thread
+(``_manager``) and a callback thread (``_results.CallbackRunner``). See the package docstring
+for the threads and the lock order. Finalizers never take the engine's lock (see
+``TreeBook.queue_release`` and ``terminate_unreferenced``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import itertools
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+import weakref
+from typing import Any
+
+from .. import _procenv, _shm
+from . import _protocol, _wire
+from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
+from ._lifecycle import Lifecycle
+from ._results import CallbackRunner
+from ._scheduler import Chunk, Scheduler
+from ._trees import TreeBook
+from ._workers import WorkerRec, close_worker, start_worker
+
+MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
+CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
+RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
+
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _terminate_live_pools() -> None:
+    for engine in list(_LIVE):
+        try:
+            engine.terminate()
+        except Exception:
+            pass
+
+
+def _register_atexit() -> None:
+    # Lazily, at the first Pool: importing jaxtransport has no side effects.
+    global _atexit_registered
+    if not _atexit_registered:
+        _atexit_registered = True
+        atexit.register(_terminate_live_pools)
+
+
+def _dumps_in_band(obj: Any) -> bytes:
+    import io
+
+    from .._usercode import Pickler
+
+    f = io.BytesIO()
+    Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
+
+
+class Engine:
+    def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
+                 shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
+                 tree_type, results_reserve: int = 0):
+        from ._manager import Manager
+
+        self.ctx = multiprocessing.get_context(start_method)
+        self.tree_type = tree_type  # SharedTree: what travels as a broadcast handle
+        self.start_method = start_method
+        self.processes = processes
+        self.maxtasks = maxtasksperchild
+        self.threshold = shm_threshold
+        self.placement = placement
+        self.worker_env_overrides = dict(worker_env or {})
+        self.devices_per_worker = devices_per_worker
+        self.gpus = _procenv.gpu_ids()
+        self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
+        self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
+        self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
+        self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
+        self.flags = Lifecycle()
+        # The engine's lock: the scheduler, the worker list and records, the tree book.
+        self.lock = threading.RLock()
+        self.scheduler = Scheduler()
+        self.workers: list[WorkerRec] = []
+        self.trees = TreeBook(self)
+        self.chunk_ids = itertools.count()
+        self.serials = itertools.count()
+        self.early_deaths = 0
+        self.tls = threading.local()
+        self.space = threading.Condition(threading.Lock())  # imap feeding backpressure
+        self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)
+        self.callbacks = CallbackRunner()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self._released = False
+        self.manager = None
+        try:
+            for i in range(processes):
+                self.workers.append(self.start_worker(i))
+        except BaseException:
+            self.terminate()
+            raise
+        self.manager = Manager(self)
+        self.manager.start()
+        _LIVE.add(self)
+        _register_atexit()
+
+    # -- flags, read by the facade
+    @property
+    def closed(self) -> bool:
+        return self.flags.closed
+
+    @property
+    def terminated(self) -> bool:
+        return self.flags.terminated
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self.flags.broken
+
+    def check_running(self) -> None:
+        self.flags.check_running()
+
+    # -- workers
+    def start_worker(self, index: int) -> WorkerRec:
+        env = _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
+                                   overrides=self.worker_env_overrides, gpus=self.gpus)
+        config = {
+            "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
+            "capacity": self.worker_capacity, "initializer": self.init_blob,
+            "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
+        }
+        return start_worker(self.ctx, start_method=self.start_method, index=index,
+                            serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks)
+
+    def wake(self) -> None:
+        fd = self.wake_w
+        if fd < 0:
+            return  # closed: never write to a number the OS may have reused
+        try:
+            os.write(fd, b"x")
+        except OSError:
+            pass
+
+    def new_segments(self, w: WorkerRec, seg_ids) -> list:
+        """Lock held: (seg_id, size, fd) of the segments ``w`` has not received yet, now marked
+        as sent (its sender passes them before the message that needs them)."""
+        out = []
+        for seg_id in seg_ids:
+            if seg_id in w.sent_segs:
+                continue
+            seg = self.arena.segment(seg_id)
+            if seg is None or seg.fd is None:
+                continue
+            out.append((seg_id, seg.size, seg.fd))
+            w.sent_segs.add(seg_id)
+        return out
+
+    # -- submitting (caller threads)
+    def wait_for_space(self, cond) -> bool:
+        """Arena wait hook for the caller's thread (see Arena.alloc): wait while tasks that will
+        release memory are in flight; give up after a grace period when none is."""
+        if self.flags.stopped:
+            return False
+        busy = self.in_flight() > 0
+        now = time.monotonic()
+        start = getattr(self.tls, "wait_start", None)
+        if busy or start is None:
+            self.tls.wait_start = start = now
+        if not busy and now - start > CAPACITY_GRACE_S:
+            return False
+        cond.wait(0.02)
+        return True
+
+    def function_blob(self, fn):
+        from ._facade import _first_tracer
+
+        return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: _first_tracer((fn, "func")))
+
+    def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
+        return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
+
+    def submit(self, prep: _wire.Prepared, result, index: int) -> None:
+        """Copy a prepared chunk's arrays into shared memory and queue it."""
+        self.trees.check_usable(prep.trees)
+        chunk_id = next(self.chunk_ids)
+        self.tls.wait_start = None
+        enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+        chunk = Chunk(chunk_id, result, index, enc)
+        with self.lock:
+            if self.flags.stopped:
+                self.arena.release_all(chunk.key)
+                raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
+            self.trees.use(prep.trees)
+            self.scheduler.add(chunk)
+            self.dispatch()
+
+    def dispatch(self) -> None:
+        """Lock held: hand pending chunks to workers that may take them and post them."""
+        for w, chunk in self.scheduler.assign(self.workers):
+            w.sent += 1
+            self.arena.transfer(chunk.enc.handles, chunk.key, w.key)
+            if chunk.trees:
+                self.trees.define_in(w, chunk.trees)
+            segs = self.new_segments(w, chunk.enc.segs)
+            enc = chunk.enc
+            w.post(_protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases(64))), segs)
+        if self.flags.closed:
+            self.maybe_stop()
+
+    def maybe_stop(self) -> None:
+        """Lock held: when closed and nothing is left, tell the workers to exit."""
+        if not self.scheduler.idle(self.workers):
+            return
+        stop = _protocol.dumps(_protocol.Stop())
+        for w in self.workers:
+            if not w.stop_sent:
+                w.stop_sent = True
+                w.post(stop)
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return self.scheduler.in_flight(self.workers)
+
+    # -- completing (manager thread, or any thread that fails chunks)
+    def finish_chunk(self, chunk: Chunk, ok: bool, value) -> None:
+        if chunk.trees:
+            with self.lock:
+                self.trees.done(chunk.trees)
+        result, chunk.result = chunk.result, None
+        try:
+            if result is not None:
+                self.callbacks.deliver(result, chunk.index, ok, value)
+        finally:
+            if self.imap_feeders:
+                with self.space:
+                    self.space.notify_all()
+
+    def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
+        self.arena.release_all(chunk.key)
+        self.finish_chunk(chunk, False, exc)
+
+    def own_holder(self, handle: tuple):
+        """A holder over this process's own slot (a worker sent back one of our arrays)."""
+        seg = self.arena.segment(handle[0])
+        off, nbytes = handle[1], handle[2]
+        if seg is None or seg.mm is None or off + nbytes > seg.size or not self.arena.acquire(handle, "self"):
+            raise ShmHandleError(
+                f"Bad shared-memory handle {tuple(handle)!r}: a worker referred to memory of this "
+                "process that is not live (freed, truncated or out of bounds)."
+            )
+        holder = (ctypes.c_char * max(nbytes, 1)).from_buffer(seg.mm, off)
+        weakref.finalize(holder, self.arena.defer_release, handle, "self")
+        return holder
+
+    def break_pool(self, err: BaseException, cause: BaseException | None = None) -> None:
+        """The pool cannot go on: fail every unfinished task with ``err`` and stop the workers."""
+        if cause is not None:
+            err.__cause__ = cause
+        if not self.flags.set_broken(err):
+            return
+        with self.lock:
+            victims = self.scheduler.take_all(self.workers)
+        for chunk in victims:
+            self.fail_chunk(chunk, err)
+        self.kill_workers()
+        self.wake()
+
+    # -- shutting down
+    def close(self) -> None:
+        self.flags.close()
+        with self.lock:
+            self.maybe_stop()
+        self.wake()
+
+    def own_threads(self) -> tuple:
+        return tuple(t for t in (getattr(self.manager, "thread", None), self.callbacks.thread) if t is not None)
+
+    def join(self, timeout: float | None = None) -> None:
+        if threading.current_thread() in self.own_threads():
+            raise PoolStateError("Cannot join a jaxtransport.Pool from one of its own callbacks.")
+        if self.manager is not None:
+            self.manager.thread.join(timeout)
+        for w in list(self.workers):
+            w.proc.join(timeout)
+        self.release_resources()
+
+    def kill_workers(self) -> None:
+        with self.lock:
+            workers = list(self.workers)
+        for w in workers:
+            try:
+                w.proc.kill()
+            except Exception:
+                pass
+        for w in workers:
+            try:
+                w.proc.join(5)
+            except Exception:
+                pass
+
+    def terminate(self) -> None:
+        if not self.flags.terminate():
+            return
+        with self.lock:
+            victims = self.scheduler.take_all(self.workers)
+        self.kill_workers()
+        self.wake()
+        err = PoolTerminatedError(
+            "The jaxtransport.Pool was terminated (terminate(), the end of its `with` block, garbage "
+            "collection or interpreter exit) before this task's result arrived."
+        )
+        for chunk in victims:
+            try:
+                self.fail_chunk(chunk, err)
+            except Exception:
+                pass
+        me = threading.current_thread()
+        if self.manager is not None and self.manager.thread is not me and self.manager.thread.is_alive():
+            self.manager.thread.join(5)
+        self.release_resources()
+
+    def release_resources(self) -> None:
+        with self.lock:
+            if self._released:
+                return
+            if any(w.proc.is_alive() for w in self.workers):
+                return
+            self._released = True
+            workers = list(self.workers)
+            self.workers.clear()
+        for w in workers:
+            close_worker(w)
+        self.callbacks.close()
+        self.arena.close()
+        fds, self.wake_r, self.wake_w = (self.wake_r, self.wake_w), -1, -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _LIVE.discard(self)
+
+
+def terminate_unreferenced(engine: Engine) -> None:
+    if not engine.terminated and not engine._released:
+        warnings.warn(
+            "a jaxtransport.Pool was garbage-collected while running: it was terminated. Use it "
+            "as a context manager or call close() and join() (or terminate()).",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    # A finalizer may run inside any thread, even one holding this pool's locks (a garbage
+    # collection can start at any allocation): terminate from a thread of its own.
+    threading.Thread(target=engine.terminate, name="jaxtransport-pool-reaper", daemon=True).start()

@@ -1,0 +1,329 @@
+"""The manager thread: reads every worker's messages, watches their sentinels, replaces the dead.
+
+Its loop (``run``) waits on each worker's pipe and process sentinel and on the engine's wake
+pipe; it reads without blocking (``FrameReader``) and never writes to a pipe itself (it posts to
+the workers' senders), so no worker can stall it. Each message is validated
+(``_protocol.loads``); one that is malformed retires the worker that sent it (the task it ran
+fails with CorruptTransferError, the worker is replaced), and an unexpected error inside the
+loop breaks the pool with that error instead of leaving its callers waiting.
+
+Handlers, one per message kind: ``on_result``, ``on_release``, ``on_forget``, ``on_ready``,
+``on_leaving``, ``on_garbled``; and ``worker_exited`` for a process that ended.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+import threading
+import time
+
+from .. import _shm
+from . import _protocol, _wire
+from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
+from ._engine import MAX_EARLY_DEATHS, RELEASE_FLUSH_S, Engine
+from ._workers import WorkerRec, close_worker, signal_name
+
+
+def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
+    """The exception an ErrorReport carries, with the remote traceback as ``__cause__``; a
+    TransportError naming the original class and message when it does not unpickle here."""
+    import pickle
+
+    try:
+        exc = pickle.loads(report.exc)
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"not an exception: {type(exc).__name__}")
+    except Exception as e:  # noqa: BLE001
+        exc = TransportError(
+            f"{report.type_name}: {report.message} (raised in a pool worker; the exception "
+            f"could not be rebuilt in the parent: {type(e).__name__}: {e})"
+        )
+    exc.__cause__ = RemoteTraceback(report.traceback)
+    return exc
+
+
+class Manager:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.thread = threading.Thread(target=self.run, name="jaxtransport-pool-manager", daemon=True)
+        self.last_flush = 0.0
+        self.finished_any = False
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # -- the loop
+    def run(self) -> None:
+        try:
+            self.loop()
+        except BaseException as e:  # noqa: BLE001 - never leave callers waiting on a dead thread
+            if not self.engine.flags.stopped:
+                err = PoolStateError(
+                    f"The jaxtransport.Pool's manager thread failed ({type(e).__name__}: {e}); the pool "
+                    "is broken. Please report this with the traceback (its __cause__)."
+                )
+                self.engine.break_pool(err, cause=e)
+
+    def loop(self) -> None:
+        engine = self.engine
+        poller = select.poll()
+        registered: dict[int, tuple] = {}
+        while True:
+            with engine.lock:
+                if engine.flags.terminated:
+                    return
+                workers = [w for w in engine.workers if not w.dead]
+                if engine.flags.closed and not workers and not engine.scheduler.pending:
+                    return
+                if engine.flags.broken is not None and not workers:
+                    return
+            wanted = {engine.wake_r: ("wake", None)}
+            for w in workers:
+                wanted[w.sock.fileno()] = ("conn", w)
+                wanted[w.sentinel] = ("sentinel", w)
+            if wanted.keys() != registered.keys() or any(registered[k][1] is not v[1] for k, v in wanted.items()):
+                for fd in registered:
+                    try:
+                        poller.unregister(fd)
+                    except (KeyError, ValueError, OSError):
+                        pass
+                for fd in wanted:
+                    poller.register(fd, select.POLLIN)
+                registered = wanted
+            try:
+                events = poller.poll(RELEASE_FLUSH_S * 1000)
+            except InterruptedError:
+                events = []
+            engine.trees.drain_collected()
+            for fd, _ev in events:
+                if engine.flags.terminated:
+                    return
+                kind, w = registered.get(fd, (None, None))
+                if kind == "wake":
+                    try:
+                        import os
+
+                        os.read(engine.wake_r, 4096)
+                    except OSError:
+                        pass
+                elif kind == "conn" and not w.dead:
+                    self.read_from(w)
+                elif kind == "sentinel" and not w.dead:
+                    self.read_from(w)
+                    self.worker_exited(w)
+            now = time.monotonic()
+            if now - self.last_flush >= RELEASE_FLUSH_S:
+                self.last_flush = now
+                self.flush(workers)
+
+    def read_from(self, w: WorkerRec) -> None:
+        frames, eof = w.reader.read()
+        self.finished_any = False
+        for raw in frames:
+            if w.dead:
+                break
+            self.on_frame(w, raw)
+        if self.finished_any:  # once per batch of messages, not per result
+            with self.engine.lock:
+                self.engine.dispatch()
+        if eof and not w.dead:
+            self.worker_exited(w)
+
+    def on_frame(self, w: WorkerRec, raw: bytes) -> None:
+        try:
+            msg = _protocol.loads(raw, _protocol.TO_PARENT)
+        except CorruptTransferError as e:
+            self.retire(w, f"it sent a malformed message ({e})")
+            return
+        handler = self.HANDLERS[type(msg)]
+        handler(self, w, msg)
+
+    def flush(self, workers) -> None:
+        """Pass on releases of worker slots and the parent segments that were unmapped."""
+        engine = self.engine
+        if any(w.mapper.live for w in workers):
+            _shm.collect_deferred()  # see collect_deferred: lets dead results release
+        forgotten = engine.arena.take_forgotten()
+        with engine.lock:
+            for w in workers:
+                if w.dead:
+                    continue
+                if forgotten:
+                    gone = [s for s in forgotten if s in w.sent_segs]
+                    if gone:
+                        w.sent_segs.difference_update(gone)
+                        w.post(_protocol.dumps(_protocol.Forget(gone)))
+                if w.mapper.pending:
+                    rel = w.mapper.take_releases()
+                    if rel:
+                        w.post(_protocol.dumps(_protocol.Release([tuple(h) for h in rel])))
+
+    # -- handlers
+    def on_result(self, w: WorkerRec, msg: _protocol.Result) -> None:
+        engine = self.engine
+        w.pace = msg.seconds if w.pace is None else 0.7 * w.pace + 0.3 * msg.seconds
+        with engine.lock:
+            chunk = engine.scheduler.finished(w, msg.chunk_id)
+        ok = msg.ok
+        unheld = list(msg.unheld)
+        if ok:
+            try:
+                value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+            except BaseException as e:  # noqa: BLE001 - this task's failure only
+                ok, value = False, e
+        else:
+            try:
+                value = rebuild_error(_protocol.ErrorReport.parse(msg.data))
+            except CorruptTransferError as e:
+                value = e
+        for h in msg.releases:
+            engine.arena.release(h, w.key)
+        if chunk is not None and unheld:  # the worker never held these arguments' slots
+            # The chunk's own slots, by entry index (what we sent, whatever arrived).
+            enc = chunk.enc
+            owned = [i for i, e in enumerate(enc.entries) if e[0] in ("np", "jax")]
+            by_index = dict(zip(owned, enc.handles))
+            for i in unheld:
+                h = by_index.get(i)
+                if h is not None:
+                    engine.arena.release(h, w.key)
+        if chunk is not None:
+            engine.finish_chunk(chunk, ok, value)
+        del value
+        self.finished_any = True  # read_from dispatches what the worker's place allows
+
+    def on_release(self, w: WorkerRec, msg: _protocol.Release) -> None:
+        for h in msg.handles:
+            self.engine.arena.release(h, w.key)
+
+    def on_forget(self, w: WorkerRec, msg: _protocol.Forget) -> None:
+        w.mapper.forget(msg.seg_ids)
+
+    def on_ready(self, w: WorkerRec, msg: _protocol.Ready) -> None:
+        engine = self.engine
+        if msg.ok:
+            w.ready = True
+            engine.early_deaths = 0
+            return
+        exc = rebuild_error(msg.error)
+        engine.break_pool(PoolStateError(
+            f"The pool's initializer raised {msg.error.type_name}: {msg.error.message} in worker pid "
+            f"{w.pid}; the pool cannot start workers and is broken. Fix the initializer and create a "
+            "new pool."
+        ), cause=exc)
+
+    def on_started(self, w: WorkerRec, msg: _protocol.Started) -> None:
+        with self.engine.lock:
+            self.engine.scheduler.started(w, msg.chunk_id)
+
+    def on_leaving(self, w: WorkerRec, msg: _protocol.Leaving) -> None:
+        w.retiring = True
+
+    def on_garbled(self, w: WorkerRec, msg: _protocol.Garbled) -> None:
+        # The worker exits after saying so, before it starts anything sent after the bad
+        # message: its in-flight chunks never started and run elsewhere.
+        for c in w.outstanding:
+            c.started = False
+        self.retire(w, f"it received a malformed message from the parent ({msg.description})")
+
+    HANDLERS = {
+        _protocol.Result: on_result,
+        _protocol.Release: on_release,
+        _protocol.Forget: on_forget,
+        _protocol.Ready: on_ready,
+        _protocol.Started: on_started,
+        _protocol.Leaving: on_leaving,
+        _protocol.Garbled: on_garbled,
+    }
+
+    def retire(self, w: WorkerRec, why: str) -> None:
+        """The conversation with ``w`` is corrupt: kill it; ``worker_exited`` fails the task it
+        ran with CorruptTransferError and replaces it."""
+        if w.fault is None:
+            w.fault = why
+        try:
+            w.proc.kill()
+            w.proc.join(5)
+        except Exception:
+            pass
+        self.worker_exited(w)
+
+    # -- a worker ended
+    def worker_exited(self, w: WorkerRec) -> None:
+        engine = self.engine
+        if w.dead:
+            return
+        if w.fault is None:
+            self.read_from_quietly(w)  # results it sent before dying are still in the pipe
+        if w.dead:
+            return
+        w.proc.join(1.0)
+        code = w.proc.exitcode
+        with engine.lock:
+            w.dead = True
+            if w in engine.workers:
+                engine.workers.remove(w)
+            running, queued = engine.scheduler.lost(w)  # those never started run elsewhere
+            for chunk in queued:
+                engine.arena.transfer(chunk.enc.handles, w.key, chunk.key)
+            engine.scheduler.requeue(queued)
+            engine.arena.release_all(w.key)
+            engine.trees.forget_worker(w)
+        if running is not None:
+            if w.fault is not None:
+                err: BaseException = CorruptTransferError(
+                    f"A jaxtransport.Pool worker (pid {w.pid}) was replaced because {w.fault}; the "
+                    "task it was running has no result. Other tasks go on."
+                )
+            else:
+                err = WorkerLostError(
+                    f"A jaxtransport.Pool worker (pid {w.pid}) {self.how(code)} while running this task, so "
+                    "the task has no result. The pool replaced the worker and keeps running other tasks; "
+                    "resubmit the task if it is safe to run again, or lower its memory use if it was "
+                    "killed for that."
+                )
+            engine.fail_chunk(running, err)
+        close_worker(w)
+        spawn_error = None
+        with engine.lock:
+            if not w.ready and w.fault is None:
+                engine.early_deaths += 1
+            if engine.flags.stopped:
+                return
+            if engine.early_deaths < MAX_EARLY_DEATHS and not (engine.flags.closed and engine.scheduler.idle(engine.workers)):
+                try:
+                    engine.workers.append(engine.start_worker(w.index))
+                except Exception as e:  # noqa: BLE001
+                    engine.early_deaths = MAX_EARLY_DEATHS
+                    spawn_error = e
+                else:
+                    engine.dispatch()
+                    return
+        if engine.early_deaths >= MAX_EARLY_DEATHS:
+            engine.break_pool(WorkerLostError(
+                f"{MAX_EARLY_DEATHS} jaxtransport.Pool workers in a row died before they were ready "
+                f"(the last, pid {w.pid}, {self.how(code)}): the pool is broken. Check that the "
+                "worker environment (worker_env, JAX_PLATFORMS, CUDA) and the initializer work."
+            ), cause=spawn_error)
+        with engine.lock:
+            engine.dispatch()
+
+    def read_from_quietly(self, w: WorkerRec) -> None:
+        try:
+            frames, _eof = w.reader.read()
+        except Exception:  # noqa: BLE001
+            return
+        for raw in frames:
+            if w.dead:
+                return
+            self.on_frame(w, raw)  # worker_exited dispatches afterwards
+
+    @staticmethod
+    def how(code) -> str:
+        if code is None:
+            return "stopped responding (its pipe closed)"
+        if code < 0:
+            return f"was killed by {signal_name(code)}" + (
+                " (the out-of-memory killer sends SIGKILL: check `dmesg`)" if code == -signal.SIGKILL else "")
+        return f"exited with code {code} (os._exit() or sys.exit() in the task, or a crash in native code)"

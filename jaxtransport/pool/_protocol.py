@@ -1,0 +1,337 @@
+"""Every message between a Pool's parent and its workers, as named records, and their validation.
+
+A message travels as a plain tuple ``(kind, *fields)`` pickled with the standard pickler
+(protocol 5); ``kind`` is a whole word. :func:`dumps` writes a record, :func:`loads` reads one
+back and validates it: the kind must be one the reader accepts and every field must have its
+type, so a malformed message raises :class:`~jaxtransport.CorruptTransferError` naming what is
+wrong, and the caller decides whom it fails (the task it belongs to, or the worker that sent it),
+never a thread.
+
+parent -> worker                                  worker -> parent
+``Task``        run one chunk                     ``Ready``     the initializer ran (or failed)
+``DefineTree``  a SharedTree, once per worker     ``Result``    one chunk's results (or error)
+``DropTree``    forget a SharedTree               ``Release``   slots of the parent it dropped
+``Release``     slots of the worker it dropped    ``Forget``    its segments the parent may unmap
+``Forget``      segments the worker may unmap     ``Leaving``   it exits (maxtasksperchild)
+``Stop``        exit now                          ``Garbled``   it received a malformed message
+                                                  ``Started``   it took a task it had waited for
+
+Entries (what a pickle's ``_entry(k)`` stands for) are records too: ``NpEntry``, ``JaxEntry``,
+``RefEntry`` (a slot of the receiver's own arena) and ``TreeEntry``; a shared-memory handle is
+:class:`~jaxtransport._shm.Handle`. A failed task's error travels as an ``ErrorReport``: the
+pickled exception and, separately, its class name, message and formatted traceback, so the
+receiver can still say what happened when the exception itself does not unpickle there.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, NamedTuple
+
+from .._errors import CorruptTransferError, ShmHandleError
+from .._shm import Handle
+
+__all__ = [
+    "Task", "DefineTree", "DropTree", "Release", "Forget", "Stop",
+    "Ready", "Started", "Result", "Leaving", "Garbled", "ErrorReport",
+    "NpEntry", "JaxEntry", "RefEntry", "TreeEntry",
+    "TO_WORKER", "TO_PARENT", "dumps", "loads", "parse_entry", "parse_handles",
+]
+
+_PROTOCOL = 5
+
+
+def _bad(what: str) -> CorruptTransferError:
+    return CorruptTransferError(f"Corrupt pool message: {what}")
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int:
+        raise _bad(f"{what} must be an int, got {type(v).__name__}")
+    return v
+
+
+def _bytes(v: Any, what: str) -> bytes:
+    if not isinstance(v, (bytes, bytearray, memoryview)):
+        raise _bad(f"{what} must be bytes, got {type(v).__name__}")
+    return v
+
+
+def _seq(v: Any, what: str) -> tuple | list:
+    if not isinstance(v, (tuple, list)):
+        raise _bad(f"{what} must be a list, got {type(v).__name__}")
+    return v
+
+
+def parse_handles(v: Any, what: str = "releases") -> list[Handle]:
+    """A list of handles, each validated (see ``Handle.parse``)."""
+    return [Handle.parse(h, what) for h in _seq(v, what)]
+
+
+def _ints(v: Any, what: str) -> list[int]:
+    return [_int(x, what) for x in _seq(v, what)]
+
+
+# --------------------------------------------------------------------------------------------
+# entries
+
+
+class NpEntry(NamedTuple):
+    """A numpy array of ``dtype``/``shape`` in the sender's slot ``handle``."""
+
+    dtype: Any
+    shape: tuple
+    handle: Handle
+    KIND = "np"
+
+
+class JaxEntry(NamedTuple):
+    """A jax.Array: codec metadata and ``layout`` ((offset, nbytes) per buffer) in one slot."""
+
+    meta: tuple
+    layout: tuple
+    handle: Handle
+    KIND = "jax"
+
+
+class RefEntry(NamedTuple):
+    """An array that lives in the *receiver's* own slot ``handle`` (sent back unchanged)."""
+
+    sub: str  # "np" or "jax"
+    info: Any  # (dtype, shape) for "np", the codec metadata for "jax"
+    handle: Handle
+    KIND = "ref"
+
+
+class TreeEntry(NamedTuple):
+    """A SharedTree, defined once per worker by ``DefineTree``."""
+
+    tree_id: int
+    KIND = "tree"
+
+
+def _shape(v: Any) -> tuple:
+    if not isinstance(v, tuple) or any(type(d) is not int or d < 0 for d in v):
+        raise _bad(f"array shape must be a tuple of non-negative ints, got {v!r}")
+    return v
+
+
+def parse_entry(e: Any) -> tuple:
+    """One wire entry as its record; CorruptTransferError when malformed."""
+    if not isinstance(e, tuple) or not e or not isinstance(e[0], str):
+        raise _bad(f"an entry must be a tuple (kind, ...), got {type(e).__name__}")
+    kind, fields = e[0], e[1:]
+    if kind == "np" and len(fields) == 3:
+        return NpEntry(fields[0], _shape(fields[1]), Handle.parse(fields[2], "array entry"))
+    if kind == "jax" and len(fields) == 3:
+        layout = _seq(fields[1], "buffer layout")
+        for pair in layout:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise _bad(f"buffer layout entries must be (offset, nbytes), got {pair!r}")
+            _int(pair[0], "buffer offset"), _int(pair[1], "buffer size")
+        return JaxEntry(_seq(fields[0], "array metadata"), tuple(layout), Handle.parse(fields[2], "array entry"))
+    if kind == "ref" and len(fields) == 3 and fields[0] in ("np", "jax"):
+        info = fields[1]
+        if fields[0] == "np" and not (isinstance(info, tuple) and len(info) == 2):
+            raise _bad(f"a returned numpy array needs (dtype, shape), got {info!r}")
+        if fields[0] == "np":
+            info = (info[0], _shape(info[1]))
+        return RefEntry(fields[0], info, Handle.parse(fields[2], "returned array"))
+    if kind == "tree" and len(fields) == 1:
+        return TreeEntry(_int(fields[0], "tree id"))
+    raise _bad(f"unknown entry {kind!r} with {len(fields)} fields")
+
+
+def wire_entry(rec: tuple) -> tuple:
+    """An entry record as its plain wire tuple."""
+    return (rec.KIND, *rec)
+
+
+# --------------------------------------------------------------------------------------------
+# messages
+
+
+class ErrorReport(NamedTuple):
+    """A failure in another process: the exception pickled (may fail to unpickle here), and
+    what to say when it does not."""
+
+    exc: bytes
+    type_name: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def parse(cls, v: Any) -> "ErrorReport":
+        if not isinstance(v, tuple) or len(v) != 4:
+            raise _bad("an error report must be a 4-tuple")
+        _bytes(v[0], "pickled exception")
+        if not all(isinstance(s, str) for s in v[1:]):
+            raise _bad("an error report's type, message and traceback must be str")
+        return cls(*v)
+
+
+class Task(NamedTuple):
+    chunk_id: int
+    data: bytes
+    entries: list
+    releases: list
+    KIND = "task"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.chunk_id, "chunk id"), _bytes(m.data, "task pickle"), _seq(m.entries, "entries")
+        return m._replace(releases=parse_handles(m.releases))
+
+
+class DefineTree(NamedTuple):
+    tree_id: int
+    data: bytes
+    entries: list
+    KIND = "define-tree"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.tree_id, "tree id"), _bytes(m.data, "tree pickle"), _seq(m.entries, "entries")
+        return m
+
+
+class DropTree(NamedTuple):
+    tree_id: int
+    KIND = "drop-tree"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.tree_id, "tree id")
+        return m
+
+
+class Release(NamedTuple):
+    handles: list
+    KIND = "release"
+
+    @classmethod
+    def check(cls, m):
+        return m._replace(handles=parse_handles(m.handles))
+
+
+class Forget(NamedTuple):
+    seg_ids: list
+    KIND = "forget"
+
+    @classmethod
+    def check(cls, m):
+        return m._replace(seg_ids=_ints(m.seg_ids, "segment ids"))
+
+
+class Stop(NamedTuple):
+    KIND = "stop"
+
+    @classmethod
+    def check(cls, m):
+        return m
+
+
+class Ready(NamedTuple):
+    ok: bool
+    error: Any  # ErrorReport or None
+    KIND = "ready"
+
+    @classmethod
+    def check(cls, m):
+        if type(m.ok) is not bool:
+            raise _bad("ready.ok must be a bool")
+        return m if m.ok else m._replace(error=ErrorReport.parse(m.error))
+
+
+class Result(NamedTuple):
+    """``ok``: ``data``/``entries`` encode the list of results; else ``data`` is an
+    ErrorReport. ``unheld``: indices of the task's entries the worker never held (their slots
+    are the parent's to release). ``seconds``: how long the chunk ran."""
+
+    chunk_id: int
+    ok: bool
+    data: Any
+    entries: list
+    releases: list
+    unheld: list
+    seconds: float
+    KIND = "result"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.chunk_id, "chunk id")
+        if type(m.ok) is not bool:
+            raise _bad("result.ok must be a bool")
+        if type(m.seconds) is not float:
+            raise _bad("result.seconds must be a float")
+        _seq(m.entries, "entries")
+        if not m.releases and type(m.unheld) is list and not m.unheld:
+            return m  # the common case: nothing else to check
+        return m._replace(releases=parse_handles(m.releases), unheld=_ints(m.unheld, "unheld entries"))
+
+
+class Started(NamedTuple):
+    """The worker began ``chunk_id`` after waiting for it (a task already waiting in the pipe
+    when the previous one finished is known to start with that one's Result): if the worker dies
+    now, that task was running; a task it never announced is run elsewhere."""
+
+    chunk_id: int
+    KIND = "started"
+
+    @classmethod
+    def check(cls, m):
+        _int(m.chunk_id, "chunk id")
+        return m
+
+
+class Leaving(NamedTuple):
+    KIND = "leaving"
+
+    @classmethod
+    def check(cls, m):
+        return m
+
+
+class Garbled(NamedTuple):
+    """The worker received a message it could not read (it names the problem); whatever that
+    message carried is lost, so the parent retires the worker."""
+
+    description: str
+    KIND = "garbled"
+
+    @classmethod
+    def check(cls, m):
+        if not isinstance(m.description, str):
+            raise _bad("garbled.description must be a str")
+        return m
+
+
+TO_WORKER = {c.KIND: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
+TO_PARENT = {c.KIND: c for c in (Ready, Started, Result, Release, Forget, Leaving, Garbled)}
+
+
+def dumps(msg: tuple) -> bytes:
+    """The wire form of a message record: ``(kind, *fields)`` pickled."""
+    return pickle.dumps((msg.KIND, *msg), protocol=_PROTOCOL)
+
+
+def loads(raw: bytes, table: dict) -> tuple:
+    """Read and validate one message of a kind in ``table`` (TO_WORKER or TO_PARENT).
+
+    Raises CorruptTransferError for anything else: bytes that do not unpickle, an unknown kind,
+    a wrong number of fields or a field of the wrong type."""
+    try:
+        msg = pickle.loads(raw)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt message
+        raise _bad(f"it does not unpickle ({type(e).__name__}: {e})") from None
+    if not isinstance(msg, tuple) or not msg or not isinstance(msg[0], str):
+        raise _bad(f"expected a tuple (kind, ...), got {type(msg).__name__}")
+    cls = table.get(msg[0])
+    if cls is None:
+        raise _bad(f"unknown kind {msg[0]!r} (expected one of {sorted(table)})")
+    if len(msg) - 1 != len(cls._fields):
+        raise _bad(f"{msg[0]!r} needs {len(cls._fields)} fields, got {len(msg) - 1}")
+    try:
+        return cls.check(cls._make(msg[1:]))
+    except ShmHandleError as e:
+        raise _bad(str(e)) from None

@@ -1,0 +1,165 @@
+"""The parent's end of one worker's pipe: a :class:`Sender` that never blocks its caller and a
+:class:`FrameReader` that never blocks the manager.
+
+Each worker has its own sender thread, the only thread that may block writing to that worker
+(a worker that is busy, stopped or slow to read stalls only its own sender). ``post`` first
+tries a non-blocking write from the calling thread when nothing is queued (the common small
+message: no thread hop); what does not fit is queued for the sender thread. Segment fds a
+message refers to go first, over the worker's fd socket, in the same FIFO.
+
+Frames are ``multiprocessing.connection``'s (a 4-byte big-endian length, or -1 and an 8-byte
+length), so the worker keeps reading with ``Connection.recv_bytes``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import struct
+import threading
+
+from .. import _shm
+
+_HEADER = struct.Struct("!i")
+_HEADER_LONG = struct.Struct("!Q")
+_RECV = 1 << 20
+
+
+def frame(payload: bytes) -> bytes:
+    n = len(payload)
+    if n > 0x7FFFFFFF:
+        return _HEADER.pack(-1) + _HEADER_LONG.pack(n) + payload
+    return _HEADER.pack(n) + payload
+
+
+class Sender:
+    """A FIFO of messages to one worker, written by its own thread. ``post`` never blocks."""
+
+    def __init__(self, sock: socket.socket, fdsock: socket.socket, name: str):
+        self.sock, self.fdsock = sock, fdsock
+        self.cond = threading.Condition(threading.Lock())  # guards queue/writing/closed only
+        self.queue: collections.deque = collections.deque()
+        self.writing = False
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def post(self, payload: bytes, segments=()) -> None:
+        """Send ``payload`` after passing ``segments`` ((seg_id, size, fd) each; the fd is
+        duplicated here, so the arena may close its own at any time)."""
+        data = frame(payload)
+        fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments]
+        with self.cond:
+            if self.closed:
+                _close_fds(fds)
+                return
+            if not fds and not self.queue and not self.writing:
+                try:
+                    n = self.sock.send(data, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError:
+                    self._close_locked()  # the worker is gone: the manager sees its sentinel
+                    return
+                if n == len(data):
+                    return
+                data = memoryview(data)[n:]
+            self.queue.append((data, fds))
+            self.cond.notify()
+
+    def backlog(self) -> int:
+        return len(self.queue) + self.writing
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                data, fds = self.queue.popleft()
+                self.writing = True
+            try:
+                for seg_id, size, fd in fds:
+                    _shm.send_segment(self.fdsock, seg_id, size, fd)
+                self.sock.sendall(data)
+            except OSError:
+                with self.cond:
+                    self._close_locked()
+            finally:
+                _close_fds(fds)
+                with self.cond:
+                    self.writing = False
+            del data, fds
+
+    def _close_locked(self) -> None:
+        self.closed = True
+        for _data, fds in self.queue:
+            _close_fds(fds)
+        self.queue.clear()
+        self.cond.notify_all()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop what is queued and end the thread (a write in progress ends when the worker
+        reads or dies)."""
+        with self.cond:
+            self._close_locked()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
+def _close_fds(fds) -> None:
+    for _seg_id, _size, fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class FrameReader:
+    """Non-blocking reads of whole frames from one worker: a partly written message (a worker
+    stopped mid-write) stays in the buffer and blocks nobody."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
+
+    def read(self) -> tuple[list[bytes], bool]:
+        """(the complete frames available now, whether the worker closed its end)."""
+        eof = False
+        while True:
+            try:
+                data = self.sock.recv(_RECV, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                eof = True
+                break
+            if not data:
+                eof = True
+                break
+            self.buf += data
+            if len(data) < _RECV:
+                break
+        frames = []
+        buf, pos, end = self.buf, 0, len(self.buf)
+        while end - pos >= 4:
+            (n,) = _HEADER.unpack_from(buf, pos)
+            head = 4
+            if n == -1:
+                if end - pos < 12:
+                    break
+                (n,) = _HEADER_LONG.unpack_from(buf, pos + 4)
+                head = 12
+            elif n < 0:
+                frames.append(b"")  # not a frame: the caller reports a corrupt message
+                pos = end
+                break
+            if end - pos - head < n:
+                break
+            frames.append(bytes(buf[pos + head : pos + head + n]))
+            pos += head + n
+        if pos:
+            del buf[:pos]
+        return frames, eof

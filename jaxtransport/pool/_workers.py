@@ -1,0 +1,117 @@
+"""Worker records: starting a worker process, what the parent knows about it, closing it.
+
+A :class:`WorkerRec` is created by the engine (under its lock) and read by every thread; its
+fields change only under the engine's lock, except ``pace`` (the manager thread only). Its
+``sender`` and ``reader`` are the worker's end of the pipe (``_senders``); its ``mapper`` maps
+the worker's result segments (manager thread only).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import select
+import socket
+from typing import Any
+
+from .. import _procenv, _shm
+from ._senders import FrameReader, Sender
+
+
+class WorkerRec:
+    __slots__ = (
+        "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sock", "sentinel", "mapper",
+        "sender", "reader", "outstanding", "sent_segs", "trees", "ready", "retiring", "dead",
+        "stop_sent", "sent", "pace", "fault", "maxtasks",
+    )
+
+    def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None):
+        self.index, self.serial = index, serial
+        self.key = ("worker", serial)  # its borrower name in the parent's arena
+        self.proc, self.pid, self.conn, self.fdsock = proc, proc.pid, conn, fdsock
+        self.sentinel = proc.sentinel
+        # One socket object over the pipe for both directions: non-blocking reads by the
+        # manager, writes by the sender (a socket may be read and written from two threads).
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.mapper = _shm.Mapper(fdsock, label=f"pool worker {proc.pid}")
+        self.sender = Sender(self.sock, fdsock, name=f"jaxtransport-pool-sender-{index}")
+        self.reader = FrameReader(self.sock)
+        self.outstanding: collections.deque = collections.deque()  # chunks sent, in order
+        self.sent_segs: set[int] = set()  # parent segments whose fd it has
+        self.trees: set[int] = set()  # SharedTrees defined in it
+        self.ready = self.retiring = self.dead = self.stop_sent = False
+        self.sent = 0
+        self.pace: float | None = None  # moving average of its seconds per chunk
+        self.fault: str | None = None  # why the parent retired it (a corrupt message)
+        self.maxtasks = maxtasks
+
+    def can_take(self) -> bool:
+        if self.dead or self.retiring or self.stop_sent or self.fault is not None:
+            return False
+        return not self.maxtasks or self.sent < self.maxtasks
+
+    def alive(self) -> bool:
+        """False once the process has exited, even before the manager has seen it."""
+        try:
+            return not select.select([self.sentinel], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+
+    def post(self, msg_bytes: bytes, segments=()) -> None:
+        self.sender.post(msg_bytes, segments)
+
+
+def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, config: dict,
+                 maxtasks: int | None) -> WorkerRec:
+    """Start one worker process (spawn/forkserver) with ``env`` and ``config``."""
+    from ._worker import worker_main
+
+    cfg = pickle.dumps(dict(config, env=env))
+    conn, child_conn = ctx.Pipe(duplex=True)
+    fdsock, child_sock = _shm.fd_socketpair()
+    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg), daemon=True,
+                       name=f"jaxtransport-pool-worker-{index}")
+    try:
+        if start_method == "spawn":
+            # The child's environment is os.environ at exec time: set it there so that even
+            # code JAX runs while re-importing __main__ sees it (forkserver: set in the child).
+            with _procenv.environ_overlay(env):
+                proc.start()
+        else:
+            proc.start()
+    except BaseException:
+        conn.close()
+        fdsock.close()
+        raise
+    finally:
+        child_conn.close()
+        child_sock.close()
+    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks)
+
+
+def close_worker(w: WorkerRec) -> None:
+    """Release everything the parent holds for a worker that is gone (idempotent)."""
+    w.dead = True
+    _quietly(w.sender.close)
+    _shm.collect_deferred()  # jaxlib's deferred decrefs: its arrays' slots release now
+    _quietly(w.mapper.close)
+    for c in (w.sock, w.conn, w.fdsock):
+        _quietly(c.close)
+    _quietly(w.proc.close)
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def signal_name(code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"

@@ -1,0 +1,109 @@
+"""The Pool's scheduler on its own, without processes: the pull-based assignment rule."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+from jaxtransport.pool._scheduler import SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler, prefetch_limit
+
+
+class FakeWorker:
+    def __init__(self, name, pace=None, alive=True, can_take=True):
+        self.name, self.pace, self._alive, self._can_take = name, pace, alive, can_take
+        self.outstanding = collections.deque()
+
+    def can_take(self):
+        return self._can_take
+
+    def alive(self):
+        return self._alive
+
+
+def chunk(i, *, nbytes=100, shm=False):
+    enc = SimpleNamespace(handles=[(1, 0, 8, 1)] if shm else [], trees=[], data=b"x" * nbytes)
+    return Chunk(i, None, i, enc)
+
+
+def names(pairs):
+    return [(w.name, c.chunk_id) for w, c in pairs]
+
+
+def test_each_idle_worker_gets_one_chunk_and_nothing_waits_behind_a_busy_one():
+    s = Scheduler()
+    a, b = FakeWorker("a"), FakeWorker("b")
+    for i in range(5):
+        s.add(chunk(i))
+    assert names(s.assign([a, b])) == [("a", 0), ("b", 1)]
+    assert names(s.assign([a, b])) == []  # pace unknown: no prefetch behind a running chunk
+    assert len(s.pending) == 3
+    assert s.finished(b, 1).chunk_id == 1
+    assert names(s.assign([a, b])) == [("b", 2)]  # b pulled the next one; a still runs 0
+
+
+def test_tiny_tasks_are_prefetched_only_when_no_worker_is_idle():
+    s = Scheduler()
+    fast, slow = FakeWorker("fast", pace=TINY_TASK_S / 10), FakeWorker("slow", pace=5.0)
+    limit = prefetch_limit(fast.pace)
+    for i in range(limit + 10):
+        s.add(chunk(i))
+    got = names(s.assign([fast, slow]))
+    assert got[:2] == [("fast", 0), ("slow", 1)]
+    assert all(name == "fast" for name, _ in got[2:])  # never queued behind the slow one
+    assert len(fast.outstanding) == limit and len(slow.outstanding) == 1
+    assert len(s.pending) == 9
+
+
+def test_large_or_shared_memory_chunks_are_never_prefetched():
+    s = Scheduler()
+    w = FakeWorker("w", pace=TINY_TASK_S / 10)
+    s.add(chunk(0))
+    s.add(chunk(1, nbytes=SMALL_MESSAGE))
+    s.add(chunk(2, shm=True))
+    assert names(s.assign([w])) == [("w", 0)]
+    s.finished(w, 0)
+    assert names(s.assign([w])) == [("w", 1)]
+    s.finished(w, 1)
+    assert names(s.assign([w])) == [("w", 2)]
+
+
+def test_dead_or_retiring_workers_get_nothing():
+    s = Scheduler()
+    dead, leaving, ok = FakeWorker("dead", alive=False), FakeWorker("leaving", can_take=False), FakeWorker("ok")
+    s.add(chunk(0))
+    s.add(chunk(1))
+    assert names(s.assign([dead, leaving, ok])) == [("ok", 0)]
+    assert [c.chunk_id for c in s.pending] == [1]
+
+
+def test_requeue_puts_unstarted_chunks_first_in_order_and_take_all_empties_the_books():
+    s = Scheduler()
+    a = FakeWorker("a", pace=TINY_TASK_S / 10)
+    for i in range(4):
+        s.add(chunk(i))
+    s.assign([a])
+    s.add(chunk(9))
+    lost = s.take_worker(a)
+    assert [c.chunk_id for c in lost] == [0, 1, 2, 3] and not a.outstanding
+    s.requeue(lost[1:])
+    assert [c.chunk_id for c in s.pending] == [1, 2, 3, 9]
+    assert s.in_flight([a]) == 4 and not s.idle([a])
+    assert s.finished(a, 42) is None
+    assert sorted(c.chunk_id for c in s.take_all([a])) == [1, 2, 3, 9]
+    assert s.idle([a])
+
+
+def test_a_dead_workers_chunk_counts_as_running_only_once_started():
+    s = Scheduler()
+    w = FakeWorker("w", pace=TINY_TASK_S / 10)
+    for i in range(3):
+        s.add(chunk(i))
+    s.assign([w])
+    running, never = Scheduler.lost(w)
+    assert running is None and [c.chunk_id for c in never] == [0, 1, 2]  # it never began one
+    for c in never:
+        w.outstanding.append(c)
+    s.started(w, 0)  # the worker announced it
+    s.finished(w, 0)  # ... and finished it: the next one, waiting in its pipe, starts now
+    running, never = Scheduler.lost(w)
+    assert running.chunk_id == 1 and [c.chunk_id for c in never] == [2]
