@@ -9,7 +9,7 @@ caller's thread, so a Tracer or an unpicklable argument raises there) while fewe
 ``2 * max_workers`` calls are in flight; beyond that the call waits in the executor's queue as a
 *pending* future, which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A
 *dispatcher* thread (started on first need) moves pending calls to the pool as calls finish; the
-pool's manager thread only completes futures and wakes the dispatcher, never pickles or waits.
+pool's callback thread only completes futures and wakes the dispatcher, never pickles or waits.
 Lock order: the executor's ``_lock`` is a leaf (nothing else is taken while holding it).
 """
 
@@ -55,7 +55,8 @@ class Executor(concurrent.futures.Executor):
     (a ``BrokenProcessPool``); the worker is replaced and the executor keeps running, as the
     Pool does. When the pool itself breaks, every pending future and every later ``submit``
     raise :class:`BrokenExecutorError` (also a ``BrokenProcessPool``). Done-callbacks of the
-    futures run in the pool's manager thread: keep them short (``submit`` from one is fine).
+    futures run in the pool's callback thread: keep them short (``submit`` from one is fine;
+    ``shutdown(wait=True)`` from one is refused, as ``Pool.join`` from a callback is).
     """
 
     def __init__(self, max_workers: int | None = None, initializer: Callable | None = None,
