@@ -433,7 +433,6 @@ def _rel(path: str) -> str:
 
 # Measured: --quick took 7.5 min on 2 idle cores and 17.5 min (1053 s) on 2 cores shared with
 # other jobs (load ~12); the published full run's parts add up to ~11 min, usercode aside.
-QUICK_MINUTES = 8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -447,9 +446,10 @@ def _parser() -> argparse.ArgumentParser:
         f"rewrites the published results in {_rel(RESULTS)}.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="smaller sizes (up to 256 MiB) and fewer repetitions: about "
-                   f"{QUICK_MINUTES} minutes on 2 idle cores (twice that on a busy machine), "
-                   "against about 12 for the full run")
+                   help="smaller sizes (up to 256 MiB) and fewer repetitions. Measured on 2 "
+                   "cores: codec, pool, ray and rollouts took 17.5 minutes with --quick on a busy "
+                   "machine (load ~12) and 11 minutes in full on a quiet one; each NAME.md "
+                   "records how long its benchmark took")
     p.add_argument("--only", action="append", choices=names, help="run only this (repeatable)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--publish", action="store_true",
