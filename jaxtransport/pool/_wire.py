@@ -195,17 +195,8 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
 
     if getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
         return None
-    buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
-    p.dispatch_table = _fast_table(router.tree_type)
-    try:
-        p.dump(obj)
-    except _pickling.tracer_error_type():
-        raise
-    except Exception:
-        return None
-    data = buf.getvalue()
-    if b"__main__" in data or b"__mp_main__" in data:
+    data = _pickle_by_reference(obj, router)
+    if data is None or b"__main__" in data or b"__mp_main__" in data:
         return None
     return data
 
