@@ -106,6 +106,7 @@ class _Worker:
         self.trees: dict[int, tuple] = {}  # id -> (data, entries)
         self.tree_cache: dict[int, object] = {}
         self.backlog: list = []
+        self.implied: int | None = None  # the task the parent marks started on our last Result
         self.parent_gone = False
         self._wait_start: float | None = None
 
@@ -240,14 +241,11 @@ class _Worker:
             return
         self.send(self.protocol.Ready(True, None))
         done = 0
-        idle = True
         maxtasks = cfg["maxtasks"]
         while True:
             if self.backlog:
                 msg = self.backlog.pop(0)
             else:
-                if not self.conn.poll(0):
-                    idle = True  # nothing waiting: the next task is not implied by a Result
                 busy = self.mapper.pending or self.arena.has_forgotten()
                 msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
@@ -258,11 +256,11 @@ class _Worker:
             if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
-            if idle:
-                # It arrived while this worker waited: announce it (see _protocol.Started).
+            if msg.chunk_id != self.implied:
+                # The parent cannot infer that this one started (Note [started]): announce it.
                 self.send(self.protocol.Started(msg.chunk_id))
+            self.implied = None
             self.run_chunk(msg)
-            idle = False
             done += 1
             if maxtasks and done >= maxtasks:
                 import gc
@@ -311,7 +309,18 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
-        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+        # Note [started]: on this Result the parent marks the first task it had already sent us
+        # as started. Those are exactly the tasks readable now (a task sent later reaches the
+        # pipe after it): take them into the backlog, so that the next task announces itself
+        # (Started) unless it was one of them.
+        P = self.protocol
+        while True:
+            pending = self.recv(0)
+            if pending is None:
+                break
+            self.backlog.append(pending)
+        self.implied = next((m.chunk_id for m in self.backlog if type(m) is P.Task), None)
+        self.send(P.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
