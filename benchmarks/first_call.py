@@ -125,6 +125,23 @@ def _block(x):
     return x
 
 
+def _measure(label, nbytes, times, steady, send, fetch):
+    """The first argument and the first result through an already started pool or cluster
+    (``send()`` returns the byte count the worker saw, ``fetch()`` an array of ``nbytes``),
+    then ``steady`` repeats of each, appended to ``times[(row name, label)]``."""
+    for i in range(1 + steady):
+        kind = "first" if i == 0 else "steady"
+        dt, n = _timed(send)
+        if i == 0:
+            assert n == nbytes
+        times.setdefault((f"{kind}_argument", label), []).append(dt)
+        dt, y = _timed(fetch)
+        if i == 0:
+            assert y.nbytes == nbytes
+        del y
+        times.setdefault((f"{kind}_result", label), []).append(dt)
+
+
 def _jt_once(nbytes, x, times, reserve, steady):
     import jaxtransport as jt
 
@@ -132,18 +149,8 @@ def _jt_once(nbytes, x, times, reserve, steady):
     with jt.Pool(1, shm_reserve=nbytes if reserve else None) as pool:
         pool.apply(noop)
         pool.apply(make, ("jax", nbytes))
-        dt, n = _timed(lambda: pool.apply(nbytes_of, (x,)))
-        assert n == nbytes
-        times.setdefault(("first_argument", label), []).append(dt)
-        dt, y = _timed(lambda: _block(pool.apply(get, (nbytes,))))
-        assert y.nbytes == nbytes
-        del y
-        times.setdefault(("first_result", label), []).append(dt)
-        for _ in range(steady):
-            times.setdefault(("steady_argument", label), []).append(_timed(lambda: pool.apply(nbytes_of, (x,)))[0])
-            dt, y = _timed(lambda: _block(pool.apply(get, (nbytes,))))
-            del y
-            times.setdefault(("steady_result", label), []).append(dt)
+        _measure(label, nbytes, times, steady, lambda: pool.apply(nbytes_of, (x,)),
+                 lambda: _block(pool.apply(get, (nbytes,))))
 
 
 def _ray_once(nbytes, x_np, times, steady):
@@ -157,18 +164,8 @@ def _ray_once(nbytes, x_np, times, steady):
         get_r = ray.remote(num_cpus=1)(get)
         ray.get(nbytes_r.remote(np.ones(16)))  # a started cluster: its worker is up
         ray.get(make_r.remote("numpy", nbytes))
-        dt, n = _timed(lambda: ray.get(nbytes_r.remote(x_np)))
-        assert n == nbytes
-        times.setdefault(("first_argument", RAY), []).append(dt)
-        dt, y = _timed(lambda: ray.get(get_r.remote(nbytes)))
-        assert y.nbytes == nbytes
-        del y
-        times.setdefault(("first_result", RAY), []).append(dt)
-        for _ in range(steady):
-            times.setdefault(("steady_argument", RAY), []).append(_timed(lambda: ray.get(nbytes_r.remote(x_np)))[0])
-            dt, y = _timed(lambda: ray.get(get_r.remote(nbytes)))
-            del y
-            times.setdefault(("steady_result", RAY), []).append(dt)
+        _measure(RAY, nbytes, times, steady, lambda: ray.get(nbytes_r.remote(x_np)),
+                 lambda: ray.get(get_r.remote(nbytes)))
     finally:
         ray.shutdown()
 
@@ -184,12 +181,8 @@ def _mp_once(nbytes, x, times, registered):
         with ctx.Pool(1, initializer=_register if registered else None) as pool:
             pool.apply(noop)
             pool.apply(make, ("jax", nbytes))
-            dt, n = _timed(lambda: pool.apply(nbytes_of, (x,)))
-            assert n == nbytes
-            times.setdefault(("first_argument", label), []).append(dt)
-            dt, y = _timed(lambda: _block(pool.apply(get, (nbytes,))))
-            del y
-            times.setdefault(("first_result", label), []).append(dt)
+            _measure(label, nbytes, times, 0, lambda: pool.apply(nbytes_of, (x,)),
+                     lambda: _block(pool.apply(get, (nbytes,))))
     finally:
         if registered:
             jt.unregister()
