@@ -188,6 +188,53 @@ def test_rollout_trajectory_layout():
     np.testing.assert_array_equal(traj2.firsts[0], traj.dones[-1])
 
 
+def test_rollout_records_the_acting_policys_log_probs():
+    """The actor's ``logp`` is what the learner recomputes from the frames with the same
+    parameters: on-policy data gets importance weight 1, so the correction changes nothing
+    for the Pool and Ray backends."""
+    params = policy.init(jax.random.key(0), 1, 16)
+    traj, _, _ = worker.rollout(params, worker.initial_carry(jax.random.key(1), 4),
+                                jax.random.key(2), 24, 12)
+    assert traj.logp.shape == traj.actions.shape and traj.logp.dtype == jnp.float32
+    logits = policy.apply(params, worker._features(traj, 24))
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits), traj.actions[..., None], -1)[..., 0]
+    np.testing.assert_allclose(traj.logp, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(policy.importance_weights(want, traj.logp), 1.0, atol=1e-4)
+
+
+def test_stale_actions_are_weighted_by_truncated_importance_ratios():
+    """--max-lag > 0: each step's policy-gradient term is weighted by min(1, pi/mu). An action
+    the acting policy mu chose twice as often as the learner's pi would counts half; one pi
+    prefers counts once (truncated), as on-policy; the entropy term is not weighted."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    dense = {k: v for k, v in policy.init(k1, 0.25, 8).items() if k != "table"}
+    bag = jax.random.normal(k2, (6, 8))
+    actions = jnp.array([0, 1, 1, 0, 1, 0], jnp.int32)
+    adv = jax.random.normal(k3, (6,))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(policy.head(dense, bag)), actions[:, None],
+                               -1)[:, 0]
+
+    def pg_loss(behaviour_logp):  # the policy-gradient term alone (no entropy bonus)
+        return policy.reinforce_loss(dense, bag, policy.Batch(None, actions, adv, behaviour_logp),
+                                     0.0)
+
+    def grads(behaviour_logp):
+        return jax.grad(lambda d: policy.reinforce_loss(
+            d, bag, policy.Batch(None, actions, adv, behaviour_logp), 0.0))(dense)
+
+    on = pg_loss(logp)
+    np.testing.assert_allclose(on, -(logp * adv).mean(), rtol=1e-6)
+    np.testing.assert_allclose(pg_loss(logp + jnp.log(2.0)), on / 2, rtol=1e-5)  # mu = 2 pi
+    np.testing.assert_allclose(pg_loss(logp - jnp.log(2.0)), on, rtol=1e-6)  # mu = pi/2: 1
+    # The weights are constants: the gradient is the on-policy one scaled, not d(rho)/d(theta).
+    for a, b in zip(jax.tree.leaves(grads(logp + jnp.log(2.0))), jax.tree.leaves(grads(logp))):
+        np.testing.assert_allclose(a, b / 2, rtol=1e-4, atol=1e-7)
+    w = policy.importance_weights(logp, logp + jnp.array([1.0, -1.0, 0.0, 3.0, -3.0, 0.5]))
+    assert float(w.max()) <= policy.RHO_BAR and float(w.min()) > 0
+    np.testing.assert_allclose(w, jnp.minimum(jnp.exp(-jnp.array([1.0, -1, 0, 3, -3, 0.5])), 1),
+                               rtol=1e-6)
+
+
 class _Inline:
     """A backend that runs the tasks in this process (the loop without the transport)."""
 
@@ -228,6 +275,35 @@ def test_return_improves_with_a_fixed_seed(monkeypatch):
     # And again: bit-identical.
     again = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
     assert again.returns == returns
+
+
+class _InlineLagged(_Inline):
+    """The loop as a streaming actor with --max-lag 1 sees it, in this process: every rollout
+    acts with the parameters of the update before the newest (one version stale)."""
+
+    def __init__(self, *args, **kwargs):
+        self._published = []
+
+    def broadcast(self, params):
+        # learn() donates the learner's parameters: keep a copy, as a queue's put() does.
+        self._published = (self._published + [jax.tree.map(jnp.copy, params)])[-2:]
+        return len(self._published)
+
+    def map(self, handle, tasks):
+        stale = self._published[0]
+        return [(*worker.rollout(stale, *t), handle - 1) for t in tasks]
+
+
+def test_learning_with_one_update_of_lag_is_corrected(monkeypatch):
+    """Data one update stale (--backend queue --max-lag 1), fixed seed: with the truncated
+    importance weights the learner still improves the return at least twice over in 10
+    updates, as on-policy. Deterministic (XLA CPU, inline)."""
+    monkeypatch.setattr(backends, "make", _InlineLagged)
+    cfg = rollouts.Config(workers=2, envs=8, steps=64, frame_size=32, param_mb=1,
+                          iterations=10, seed=0, lr=0.01, table_lr=0.3)
+    result = rollouts.train(cfg, "stock", out=io.StringIO(), err=io.StringIO())
+    assert [it.lag for it in result.iterations] == [0.0] + [1.0] * 9
+    assert np.mean(result.returns[-3:]) > 2 * result.returns[0], result.returns
 
 
 # ------------------------------------------------------------------------------------------

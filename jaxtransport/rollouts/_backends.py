@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -347,7 +348,7 @@ _READY = "ready"  # an actor's first message: started and compiled
 
 
 def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
-               shape: tuple, max_lag: int = 0) -> None:
+               shape: tuple, max_lag: int = 1) -> None:
     """A streaming actor (``--backend queue``): steps its environments continuously, puts each
     trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
     the newest parameters the learner published (``params_q``) before each rollout. It stays at
@@ -387,20 +388,30 @@ def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | 
 
 class QueueBackend(Backend):
     """Long-lived actor processes streaming trajectories through a queue (IMPALA/Sebulba style):
-    actors never wait for the learner's update, they use the newest parameters they have.
+    actors use the newest parameters they have, and wait for an update only when they are
+    ``max_lag`` rollouts ahead of it.
 
     ``broadcast(params)`` publishes a new parameter version to every actor's parameter queue;
     ``map(version, tasks)`` takes the next ``len(tasks)`` trajectories from the shared
     trajectory queue, whichever actors made them, and returns ``(trajectory, carry, compute_s,
     lag)`` with ``lag`` = versions between the parameters that produced it and ``version``
     (the off-policy lag). Each actor stays at most ``max_lag`` rollouts ahead of the learner's
-    updates (0: on-policy, actors wait for each update; 1: actors step while the learner
-    updates, on data one update old). The trajectory queue is bounded (one per actor). ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``,
-    ``"stock"`` the same code on ``multiprocessing`` (spawn).
+    updates (0: on-policy, actors wait for each update; 1, the default: actors step while the
+    learner updates, on data one update old). The trajectory queue is bounded (one per actor).
+    ``transport="jaxtransport"`` uses ``jaxtransport.multiprocessing``, ``"stock"`` the same
+    code on ``multiprocessing`` (spawn).
+
+    Publishing costs one copy of the parameters per actor: a publisher thread makes them while
+    the learner waits for trajectories, and ``map`` returns only once they are made, so the
+    learner's next update (which donates the parameters' buffers and updates them in place)
+    never runs under a copy. ``jaxtransport.multiprocessing``'s ``put()`` copies into shared
+    memory before it returns; the stock ``multiprocessing.Queue.put()`` returns at once and
+    pickles later, in its feeder thread, so on the stock transport the publisher first takes
+    one host copy of the parameters for all actors (a torn or deleted read otherwise).
     """
 
     def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
-                 seed: int = 0, shape: tuple | None = None, max_lag: int = 0):
+                 seed: int = 0, shape: tuple | None = None, max_lag: int = 1):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
 
@@ -413,7 +424,10 @@ class QueueBackend(Backend):
             shape = tuple(warm[2:5])
         self.name = f"queue/{transport}"
         self.timeout = timeout
+        self._stock = transport == "stock"
         self._version = 0
+        self._publishing: threading.Thread | None = None
+        self._publish_error: list[BaseException] = []
         env = worker_env(workers)
         self._traj = ctx.Queue(workers)
         self._params = [ctx.Queue() for _ in range(workers)]
@@ -430,17 +444,45 @@ class QueueBackend(Backend):
             raise
 
     def broadcast(self, params):
+        self._published()
         self._version += 1
-        for q in self._params:
-            q.put((self._version, params))
+        # Each version goes first to a different actor, so that none always waits longest.
+        first = self._version % len(self._params)
+        queues = self._params[first:] + self._params[:first]
+        self._publishing = threading.Thread(
+            target=self._publish, args=(queues, (self._version, params)),
+            name="jaxtransport-rollouts-publisher", daemon=True)
+        self._publishing.start()
         return self._version
+
+    def _publish(self, queues, item) -> None:
+        try:
+            if self._stock:  # see the class docstring
+                import jax
+                import numpy as np
+
+                item = (item[0], jax.tree.map(np.array, item[1]))
+            for q in queues:
+                q.put(item)
+        except BaseException as e:  # noqa: BLE001 - raised again by _published()
+            self._publish_error.append(e)
+
+    def _published(self) -> None:
+        """Wait for the publisher thread; raise what it raised."""
+        t, self._publishing = self._publishing, None
+        if t is not None:
+            t.join()
+        if self._publish_error:
+            raise self._publish_error.pop()
 
     def wait_ready(self):
         self._take(len(self._procs), ready=True)
 
     def map(self, handle, tasks):
-        return [(traj, carry, compute, handle - version)
-                for traj, carry, compute, version in self._take(len(tasks), ready=False)]
+        out = [(traj, carry, compute, handle - version)
+               for traj, carry, compute, version in self._take(len(tasks), ready=False)]
+        self._published()
+        return out
 
     def _take(self, n: int, ready: bool) -> list:
         """The next ``n`` trajectories (``ready``: the actors' ready messages) from the shared
@@ -472,6 +514,9 @@ class QueueBackend(Backend):
         return out
 
     def _stop(self, grace: float) -> None:
+        t = self._publishing
+        if t is not None:  # a put blocked on capacity gives up on its own (ShmCapacityError)
+            t.join(grace or 1.0)
         for q in self._params:
             try:
                 q.put(None)
@@ -526,7 +571,7 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
 
 def make(backend: str, transport: str, workers: int, *, address: str | None = None,
          warm: tuple | None = None, timeout: float = 600.0,
-         session: RaySession | None = None, seed: int = 0, max_lag: int = 0) -> Backend:
+         session: RaySession | None = None, seed: int = 0, max_lag: int = 1) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
     before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray

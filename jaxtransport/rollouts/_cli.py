@@ -36,7 +36,7 @@ class Config:
     seed: int = 0
     warmup: int = 1
     task_timeout: float = 600.0
-    max_lag: int = 0
+    max_lag: int = 1
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -243,9 +243,9 @@ def _parser() -> argparse.ArgumentParser:
                    "worker start-up); they still train")
     p.add_argument("--max-lag", type=int, default=d.max_lag,
                    help="--backend queue: how many rollouts each actor may run ahead of the "
-                   "learner's updates (0: on-policy; 1: actors step while the learner updates, "
-                   "on data one update old, which this REINFORCE learner, without importance "
-                   "correction, learns from less reliably)")
+                   "learner's updates (0: on-policy, acting and learning take turns; 1: actors "
+                   "step while the learner updates, on data one update old, which the learner "
+                   "corrects with truncated importance weights)")
     p.add_argument("--task-timeout", type=float, default=d.task_timeout,
                    help="seconds an iteration's rollout tasks may take before the demo stops "
                    "with an error instead of waiting on a dead or hung worker")

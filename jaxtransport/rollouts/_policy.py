@@ -93,21 +93,38 @@ def apply(params: dict, features: jax.Array) -> jax.Array:
     return head(params, embed(params["table"], features)[0])
 
 
+# Importance ratios pi/mu are truncated at this value (IMPALA's rho-bar; Espeholt et al. 2018).
+RHO_BAR = 1.0
+
+
 class Batch(NamedTuple):
-    """What the learner trains on: ``features`` (B, 4), ``actions`` (B,), ``advantages`` (B,)."""
+    """What the learner trains on: ``features`` (B, 4), ``actions`` (B,), ``advantages`` (B,),
+    and ``behaviour_logp`` (B,): log mu(a|o) of the policy that chose each action."""
 
     features: jax.Array
     actions: jax.Array
     advantages: jax.Array
+    behaviour_logp: jax.Array
+
+
+def importance_weights(logp: jax.Array, behaviour_logp: jax.Array) -> jax.Array:
+    """Truncated importance ratios ``min(RHO_BAR, pi(a|o) / mu(a|o))`` from log-probabilities:
+    1 when the data is on-policy, smaller for actions the learner's policy ``pi`` has since made
+    less likely than the acting policy ``mu`` did (stale parameters), never above ``RHO_BAR``
+    (an unbounded ratio's variance is what makes off-policy REINFORCE unreliable)."""
+    return jnp.minimum(jnp.exp(logp - behaviour_logp), RHO_BAR)
 
 
 def reinforce_loss(dense: dict, bag: jax.Array, batch: Batch, entropy_coef: float) -> jax.Array:
-    """Policy-gradient surrogate: -E[log pi(a|o) * A] - entropy_coef * E[H(pi(.|o))], as a
-    function of the dense parameters and the embedding-bag outputs ``bag`` (B, hidden)."""
+    """Policy-gradient surrogate with truncated importance weights (IMPALA's policy-gradient term,
+    without a value function): -E[rho * log pi(a|o) * A] - entropy_coef * E[H(pi(.|o))], ``rho``
+    = :func:`importance_weights` held constant, as a function of the dense parameters and the
+    embedding-bag outputs ``bag`` (B, hidden)."""
     logp = jax.nn.log_softmax(head(dense, bag))
     chosen = jnp.take_along_axis(logp, batch.actions[:, None], axis=-1)[:, 0]
+    rho = jax.lax.stop_gradient(importance_weights(chosen, batch.behaviour_logp))
     entropy = -(jnp.exp(logp) * logp).sum(-1)
-    return -(chosen * batch.advantages).mean() - entropy_coef * entropy.mean()
+    return -(rho * chosen * batch.advantages).mean() - entropy_coef * entropy.mean()
 
 
 def update(params: dict, opt: "Adam", batch: Batch, lr: float, table_lr: float,

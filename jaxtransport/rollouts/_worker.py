@@ -5,12 +5,15 @@ reference). It runs ``envs`` environments for ``steps`` steps under ``lax.scan``
 the environments, acting with the broadcast parameters, and returns the trajectory as jax arrays,
 time-major: ``frames`` (steps + 1, envs, S, S) uint8 -- the previous frame of step 0, then each
 step's observation --, ``firsts``/``dones``/``failures`` (steps, envs) bool, ``actions`` int32,
-``rewards`` float32, plus the environments' carry (to continue the episodes next iteration)
+``rewards`` float32, ``logp`` float32 (the acting policy's log-probability of each action), plus the environments' carry (to continue the episodes next iteration)
 and the seconds spent computing (measured in the worker; the first call includes compiling).
 
 ``learn`` is the learner's jitted REINFORCE step. It reads the frames back: the policy's inputs
 are recomputed from the pixels the workers sent, so the trajectory payload is what the gradient
-is computed from.
+is computed from. Each step's gradient is weighted by the truncated importance ratio
+``min(1, pi(a|o) / mu(a|o))`` of the learner's policy ``pi`` over the policy ``mu`` that acted
+(``logp``), as in IMPALA's policy-gradient term: 1 on-policy (the Pool and Ray backends), and a
+correction for the streaming actors' stale parameters (``--max-lag``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Trajectory(NamedTuple):
     frames: jax.Array  # (T + 1, E, S, S) uint8
     firsts: jax.Array  # (T, E) bool
     actions: jax.Array  # (T, E) int32
+    logp: jax.Array  # (T, E) float32: log mu(action | obs), mu the policy that acted
     rewards: jax.Array  # (T, E) float32
     dones: jax.Array  # (T, E) bool: an episode ended at this step
     failures: jax.Array  # (T, E) bool: ... by failure (not by truncation at MAX_STEPS)
@@ -66,15 +70,17 @@ def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
         prev = jnp.where(first[:, None], seen, prev_seen)
         logits = policy.apply(params, env.features(prev, seen))
         action = jax.random.categorical(k_act, logits).astype(jnp.int32)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
         nxt, reward, done, failed, finished = jax.vmap(env.step)(
             state, action, jax.random.split(k_reset, envs)
         )
-        out = (cur, first, action, reward * jnp.ones((envs,), jnp.float32), done, failed,
+        out = (cur, first, action, logp, reward * jnp.ones((envs,), jnp.float32), done, failed,
                finished)
         return (nxt, seen, done), (out, state)
 
     init = (carry.state, env.read_frame(prev0, frame_size), carry.first)
-    (state, _, first), ((frames, firsts, actions, rewards, dones, failed, finished), states) = (
+    (state, _, first), ((frames, firsts, actions, logp, rewards, dones, failed, finished),
+                        states) = (
         jax.lax.scan(body, init, jax.random.split(key, steps))
     )
     last = jax.tree.map(lambda s: s[-1], states)
@@ -82,6 +88,7 @@ def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
         frames=jnp.concatenate([prev0[None], frames]),
         firsts=firsts,
         actions=actions,
+        logp=logp,
         rewards=rewards,
         dones=dones,
         failures=failed,
@@ -125,16 +132,17 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
     ``_policy.update`` for the step). ``params`` and ``opt`` are donated: the table's
     sparse update happens in place.
     """
-    feats, acts, rets = [], [], []
+    feats, acts, logps, rets = [], [], [], []
     for traj in trajs:
         feats.append(_features(traj, frame_size))  # (T, E, 4)
         acts.append(traj.actions)
+        logps.append(traj.logp)
         # Returns are cut at failures only: an episode truncated at MAX_STEPS could have gone
         # on, and treating the time limit as a terminal state would punish the actions that
         # led to it (Pardo et al. 2018, "Time Limits in Reinforcement Learning"). The next
         # episode's rewards stand in for the truncated one's future.
         rets.append(policy.discounted_returns(traj.rewards.T, traj.failures.T, gamma).T)
-    feats, acts, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, rets))
+    feats, acts, logps, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, logps, rets))
     # Baseline: the mean return at the same step across all environments. Every rollout is cut
     # after `steps` steps, so late steps see fewer future rewards whatever the actions were; a
     # per-step baseline removes that bias (a batch-wide mean would blame late actions).
@@ -142,8 +150,9 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
     # to the batch mean.
     adv = rets - (rets.mean(axis=1, keepdims=True) if rets.shape[1] > 1 else rets.mean())
     adv = (adv / (adv.std() + 1e-6)).reshape(-1)
-    feats, acts = feats.reshape(-1, 4), acts.reshape(-1)
-    return policy.update(params, opt, policy.Batch(feats, acts, adv), lr, table_lr, entropy_coef)
+    feats, acts, logps = feats.reshape(-1, 4), acts.reshape(-1), logps.reshape(-1)
+    return policy.update(params, opt, policy.Batch(feats, acts, adv, logps), lr, table_lr,
+                         entropy_coef)
 
 
 def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> None:
