@@ -135,8 +135,13 @@ def summary_table(runs: Sequence[RunResult]) -> str:
         f"{min(cfg.warmup, len(runs[0].iterations) - timed)} warm-up.",
         f"Environment: {environment()}.",
         "transport = iteration wall time - slowest worker's compute - learner update.",
-        "",
     ]
+    if cfg.backend == "queue":
+        head.append(
+            f"Streaming actors (--max-lag {cfg.max_lag}): actors compute while the learner updates, "
+            "so compute + learner can exceed the wall time (transport then reads 0)."
+        )
+    head.append("")
     text = "\n".join(head) + markdown_table(COLUMNS, table_rows(runs))
     by_transport = {r.transport: r for r in runs}
     if "stock" in by_transport and "jaxtransport" in by_transport:
@@ -147,4 +152,12 @@ def summary_table(runs: Sequence[RunResult]) -> str:
             f"{b.steps_per_s / a.steps_per_s:.2f}x\n"
             f"learning curves identical across transports: {'yes' if same else 'NO'}"
         )
+        if cfg.backend == "queue" and not same:
+            text += (" (expected when streaming: which actor's trajectory arrives first, and "
+                     "with which parameters, varies from run to run)")
+    for r in runs:
+        lags = [it.lag for it in r.timed if it.lag is not None]
+        if lags:
+            text += (f"\n{r.backend}/{r.transport}: off-policy lag {sum(lags) / len(lags):.2f} "
+                     f"parameter versions per update on average (max {max(lags):g})")
     return text
