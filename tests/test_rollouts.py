@@ -355,20 +355,29 @@ def test_progress_bar_only_when_every_stream_is_a_terminal(monkeypatch):
         assert sum(line.startswith("iter ") for line in out.getvalue().splitlines()) == 2
 
 
-@pytest.mark.parametrize("transport,max_lag", [("jaxtransport", 1), ("stock", 0)])
+@pytest.mark.parametrize("transport,max_lag", [("jaxtransport", 1), ("compare", 0)])
 def test_cli_queue_backend_streams_and_reports_lag(transport, max_lag):
     """--backend queue: long-lived actors stream trajectories through a queue (the same code on
-    jaxtransport.multiprocessing and on multiprocessing); each update reports its off-policy
-    lag (never more than --max-lag), the table its run."""
-    proc = _cli(*TINY, "--backend", "queue", "--transport", transport, "--max-lag", str(max_lag))
+    jaxtransport.multiprocessing and on multiprocessing: --compare runs both); each update
+    reports its off-policy lag (never more than --max-lag), the table its run and the summary
+    the mean lag."""
+    flags = ["--compare"] if transport == "compare" else ["--transport", transport]
+    proc = _cli(*TINY, "--backend", "queue", *flags, "--max-lag", str(max_lag))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
-    assert f"| queue/{transport} |" in out, out
+    runs = ["stock", "jaxtransport"] if transport == "compare" else [transport]
+    for run in runs:
+        assert f"| queue/{run} |" in out, out
+        assert f"queue/{run}: off-policy lag per update: " in out, out
     lags = [float(x) for x in re.findall(r"lag (\d+\.\d)", out)]
-    assert len(lags) == 2 and all(0 <= x <= max_lag for x in lags), out
+    assert len(lags) == 2 * len(runs) and all(0 <= x <= max_lag for x in lags), out
     if max_lag == 0:
-        assert lags == [0.0, 0.0], out
-    assert len(_printed_returns(out)) == 2
+        assert lags == [0.0] * len(lags), out
+    else:
+        assert lags[0] == 0.0, out  # the first update's data: the first parameters
+    if transport == "compare":
+        assert "speedup (env steps/s, jaxtransport over stock)" in out, out
+    assert len(_printed_returns(out)) == 2 * len(runs)
 
 
 def test_queue_backend_reports_a_dead_actor_instead_of_hanging():

@@ -158,6 +158,7 @@ def summary_table(runs: Sequence[RunResult]) -> str:
     for r in runs:
         lags = [it.lag for it in r.timed if it.lag is not None]
         if lags:
-            text += (f"\n{r.backend}/{r.transport}: off-policy lag {sum(lags) / len(lags):.2f} "
-                     f"parameter versions per update on average (max {max(lags):g})")
+            text += (f"\n{r.backend}/{r.transport}: off-policy lag per update: "
+                     f"{sum(lags) / len(lags):.2f} parameter versions on average, at most "
+                     f"{max(lags):g}")
     return text
