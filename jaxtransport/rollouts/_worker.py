@@ -5,8 +5,9 @@ reference). It runs ``envs`` environments for ``steps`` steps under ``lax.scan``
 the environments, acting with the broadcast parameters, and returns the trajectory as jax arrays,
 time-major: ``frames`` (steps + 1, envs, S, S) uint8 -- the previous frame of step 0, then each
 step's observation --, ``firsts``/``dones``/``failures`` (steps, envs) bool, ``actions`` int32,
-``rewards`` float32, ``logp`` float32 (the acting policy's log-probability of each action), plus the environments' carry (to continue the episodes next iteration)
-and the seconds spent computing (measured in the worker; the first call includes compiling).
+``rewards`` float32, ``logp`` float32 (the acting policy's log-probability of each action),
+plus the environments' carry (to continue the episodes next iteration) and the seconds spent
+computing (measured in the worker; the first call includes compiling).
 
 ``learn`` is the learner's jitted REINFORCE step. It reads the frames back: the policy's inputs
 are recomputed from the pixels the workers sent, so the trajectory payload is what the gradient
