@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import traceback
+from typing import Callable
 
 from .._errors import PoolStateError
 
@@ -41,6 +42,12 @@ class CallbackRunner:
     def deliver(self, result, index: int, ok: bool, value) -> None:
         if not result._has_callbacks():
             result._chunk_done(index, ok, value)
+            return
+        fast = getattr(result, "_fast", None)  # only on AsyncResult: one call, value[0]
+        if fast is not None and fast(ok, value[0] if ok else value):
+            # Completed by its owner's own code, which runs no user code (the Executor's future
+            # without done-callbacks): no hop through the callback thread.
+            result._set(ok, value[0] if ok else value, run_callbacks=False)
             return
         with self.lock:
             if self.thread is None:
@@ -96,6 +103,9 @@ class AsyncResult:
         self._callback = callback
         self._error_callback = error_callback
         self._keepalive = keepalive  # the Pool, until the result is in (as multiprocessing)
+        # Internal (the Executor): fast(ok, value) -> True when it completed the result's
+        # consumer itself without running user code, so the delivering thread may call it.
+        self._fast: Callable | None = None
         self._ok = None
         self._value = None
 
@@ -132,13 +142,13 @@ class AsyncResult:
             return self._value
         raise self._value
 
-    def _set(self, ok: bool, value) -> None:
+    def _set(self, ok: bool, value, run_callbacks: bool = True) -> None:
         if self._done:
             return
         self._ok, self._value = ok, value
-        if ok and self._callback is not None:
+        if run_callbacks and ok and self._callback is not None:
             _call_quietly(self._callback, value)
-        if not ok and self._error_callback is not None:
+        if run_callbacks and not ok and self._error_callback is not None:
             _call_quietly(self._error_callback, value)
         with _EVENTS_LOCK:
             self._done = True
