@@ -93,12 +93,11 @@ class _Worker:
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
-        import select
+        from ._senders import BufferedFrames
 
-        # One poll object for the pipe (Connection.poll builds a selector per call: tens of
-        # microseconds, twice per task, on the tiny-task path).
-        self._poller = select.poll()
-        self._poller.register(conn.fileno(), select.POLLIN)
+        # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
+        # system calls per message: tens of microseconds per task on the tiny-task path).
+        self.frames = BufferedFrames(conn.fileno())
         self.placement = cfg["placement"]
         self.threshold = cfg["threshold"]
         self.arena = _shm.Arena(cfg["capacity"], label=f"pool worker {os.getpid()}")
@@ -155,12 +154,12 @@ class _Worker:
         (a task whose chunk id is readable fails alone; anything else: ``Garbled``)."""
         P = self.protocol
         while True:
-            if timeout is not None and not self._poller.poll(max(0, int(timeout * 1000))):
-                return None
             try:
-                raw = self.conn.recv_bytes()
+                raw = self.frames.next(timeout)
             except (EOFError, OSError):
                 raise SystemExit(0) from None
+            if raw is None:
+                return None
             try:
                 return P.loads(raw, P.TO_WORKER)
             except P.CorruptTransferError as e:
