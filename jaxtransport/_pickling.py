@@ -20,13 +20,13 @@ import io
 import pickle
 import pickletools
 import sys
-import threading
 from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
 
 from . import _errors
+from ._registry import Registration
 
 # JAX (with _codec and _tracers, which need it) is imported where a JAX object is at hand or
 # the caller asked for JAX, never at import: a process that has not imported JAX holds no
@@ -70,10 +70,8 @@ _placement_override: contextvars.ContextVar[str | None] = contextvars.ContextVar
     "jaxtransport_placement", default=None
 )
 
-_lock = threading.Lock()
-_MISSING = object()
-# type -> what copyreg.dispatch_table held for it before register() (or _MISSING)
-_saved: dict[type, Any] = {}
+# Our reducers in copyreg.dispatch_table, and what they replaced (restored by unregister()).
+_registration = Registration(lambda: copyreg.dispatch_table)
 
 
 def current_placement() -> str:
@@ -150,33 +148,23 @@ def register(placement: str = "device") -> None:
     from ._tracers import tracer_types
 
     _codec.check_placement(placement)
-    with _lock:
+    with _registration.lock:
         _default_placement = placement
-        table = copyreg.dispatch_table
         entries: list[tuple[type, Callable]] = [(t, _reduce_array) for t in _codec.concrete_array_types()]
         entries += [(t, _reduce_tracer) for t in tracer_types()]
-        for cls, reducer in entries:
-            if cls not in _saved:
-                _saved[cls] = table.get(cls, _MISSING)
-            table[cls] = reducer
+        _registration.install(entries)
 
 
 def unregister() -> None:
     """Undo :func:`register`: restore exactly what ``copyreg.dispatch_table`` held before."""
     global _default_placement
-    with _lock:
-        table = copyreg.dispatch_table
-        for cls, previous in _saved.items():
-            if previous is _MISSING:
-                table.pop(cls, None)
-            else:
-                table[cls] = previous
-        _saved.clear()
+    with _registration.lock:
+        _registration.restore()
         _default_placement = "device"
 
 
 def is_registered() -> bool:
-    return bool(_saved)
+    return _registration.active
 
 
 # --------------------------------------------------------------------------------------------
