@@ -509,12 +509,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
             f"'module.function' import path string, got {type(hook).__name__}: {hook!r}."
         )
 
-    if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
-        env_vars["JAX_ENABLE_X64"] = "1"
-    if huge_pages:
-        env_vars["GLIBC_TUNABLES"] = _procenv.malloc_huge_pages(
-            env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
-    env["env_vars"] = env_vars
+    env["env_vars"] = _procenv.child_jax_env(env_vars, huge_pages=huge_pages)
     return env
 
 

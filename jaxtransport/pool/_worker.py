@@ -16,27 +16,14 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
 
+from .. import _procenv
+
 _RELEASE_FLUSH_S = 0.05
 _CAPACITY_GRACE_S = 5.0
-
-
-def _apply_env(env: dict) -> None:
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-    if "jax" in sys.modules and "JAX_PLATFORMS" in env:
-        # jax read JAX_PLATFORMS at import (a forkserver may have imported it): tell its config.
-        try:
-            sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"] or None)
-        except Exception:
-            pass
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -69,7 +56,7 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(conn, fdsock, config: bytes) -> None:
     """Entry point of a pool worker (a spawn/forkserver ``Process`` target)."""
     cfg = pickle.loads(config)
-    _apply_env(cfg["env"])
+    _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
     global CURRENT
