@@ -28,6 +28,9 @@ import numpy as np
 from . import _errors
 from ._registry import Registration
 
+# Every pickle jaxtransport writes: protocol 5 is the one with out-of-band buffers (PEP 574).
+PICKLE_PROTOCOL = 5
+
 # JAX (with _codec and _tracers, which need it) is imported where a JAX object is at hand or
 # the caller asked for JAX, never at import: a process that has not imported JAX holds no
 # jax.Array and no Tracer, so there is nothing for these reducers to do (a Pool worker running
@@ -218,7 +221,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
 
     f = io.BytesIO()
     try:
-        _Pickler(f, protocol=5, buffer_callback=callback).dump(obj)
+        _Pickler(f, protocol=PICKLE_PROTOCOL, buffer_callback=callback).dump(obj)
     except tracer_error_type() as e:
         raise _with_path(e, obj, "") from None
     return f.getvalue(), buffers

@@ -22,9 +22,6 @@ import traceback
 
 from .. import _procenv
 
-_RELEASE_FLUSH_S = 0.05
-_CAPACITY_GRACE_S = 5.0
-
 
 def _watch_parent(parent_pid: int) -> None:
     """Exit this process as soon as the parent process is gone."""
@@ -187,12 +184,12 @@ class _Worker:
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
-        if now - self._wait_start > self.cfg.get("grace", _CAPACITY_GRACE_S):
+        if now - self._wait_start > self.cfg.get("grace", self.protocol.CAPACITY_GRACE_S):
             return False
         cond.release()
         try:
             self.flush_releases()
-            msg = self.recv(0.05)
+            msg = self.recv(self.protocol.RELEASE_FLUSH_S)
             if msg is not None and not self.handle_control(msg):
                 self.backlog.append(msg)
             return True
@@ -234,7 +231,7 @@ class _Worker:
                 msg = self.backlog.pop(0)
             else:
                 busy = self.mapper.pending or self.arena.has_forgotten()
-                msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
+                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -328,8 +325,10 @@ class _Worker:
 
 
 def _picklable(obj) -> bool:
+    from .._pickling import PICKLE_PROTOCOL
+
     try:
-        pickle.dumps(obj, protocol=5)
+        pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
         return True
     except Exception:  # noqa: BLE001
         return False
