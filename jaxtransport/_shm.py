@@ -59,6 +59,9 @@ __all__ = [
 PAGE = mmap.PAGESIZE
 ALIGN = 64
 SLAB = 2 << 20  # size classes below this share a segment of this size
+# The default shm_threshold of Pool, Queue and Pipe: arrays of at least this many bytes travel
+# through shared memory, smaller ones inside the pickle.
+DEFAULT_SHM_THRESHOLD = 1 << 20
 _MIN_CLASS = 4096
 _FD_MSG = struct.Struct("<QQ")  # segment id, segment size
 

@@ -35,7 +35,7 @@ from . import _wire
 from .. import _codec, _procenv, _shm
 from .._errors import PoolStateError
 from .._tracers import find_tracer
-from ._engine import Engine, terminate_unreferenced
+from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
 
@@ -90,7 +90,7 @@ class Pool:
         maxtasksperchild: int | None = None,
         *,
         start_method: str = "spawn",
-        shm_threshold: int = 1 << 20,
+        shm_threshold: int = _shm.DEFAULT_SHM_THRESHOLD,
         placement: str = "device",
         worker_env: dict | None = None,
         shm_capacity: int | None = None,
@@ -345,7 +345,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
         for prep in preps:
             with state.space:
                 while (state.in_flight() + it._unconsumed() >= limit) and not state.flags.stopped:
-                    state.space.wait(0.02)
+                    state.space.wait(SPACE_POLL_S)
             if state.flags.stopped:
                 raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
             state.submit(prep, it, index)

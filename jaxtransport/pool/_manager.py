@@ -21,7 +21,8 @@ import time
 from .. import _shm
 from . import _protocol, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
-from ._engine import MAX_EARLY_DEATHS, RELEASE_FLUSH_S, Engine
+from ._engine import MAX_EARLY_DEATHS, Engine
+from ._protocol import RELEASE_FLUSH_S
 from ._workers import WorkerRec, close_worker, signal_name
 
 

@@ -31,6 +31,7 @@ import pickle
 from typing import Any, NamedTuple
 
 from .._errors import CorruptTransferError, ShmHandleError
+from .._pickling import PICKLE_PROTOCOL
 from .._shm import Handle
 
 __all__ = [
@@ -38,9 +39,12 @@ __all__ = [
     "Ready", "Result", "Leaving", "Garbled", "ErrorReport",
     "NpEntry", "JaxEntry", "RefEntry", "TreeEntry",
     "TO_WORKER", "TO_PARENT", "dumps", "loads", "parse_entry", "parse_handles",
+    "RELEASE_FLUSH_S", "CAPACITY_GRACE_S",
 ]
 
-_PROTOCOL = 5
+# Timing both ends of the pipe share.
+RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
+CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
 
 
 def _bad(what: str) -> CorruptTransferError:
@@ -302,7 +306,7 @@ TO_PARENT = {c.KIND: c for c in (Ready, Result, Release, Forget, Leaving, Garble
 
 def dumps(msg: tuple) -> bytes:
     """The wire form of a message record: ``(kind, *fields)`` pickled."""
-    return pickle.dumps((msg.KIND, *msg), protocol=_PROTOCOL)
+    return pickle.dumps((msg.KIND, *msg), protocol=PICKLE_PROTOCOL)
 
 
 def loads(raw: bytes, table: dict) -> tuple:

@@ -26,14 +26,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
+from .._pickling import PICKLE_PROTOCOL
 from . import _protocol
 from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
 __all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
-
-_PICKLE_PROTOCOL = 5
-
 
 class Encoded:
     """A pickled object plus its shared-memory entries. ``handles`` lists the arena slots it
@@ -82,7 +80,7 @@ class _Router:
 def _route_np(obj):
     r = _encoding.router
     if obj.nbytes < r.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
-        return obj.__reduce_ex__(_PICKLE_PROTOCOL)
+        return obj.__reduce_ex__(PICKLE_PROTOCOL)
     return r.add("np", obj)
 
 
@@ -130,7 +128,7 @@ class _Encoder(_usercode.Pickler):
     exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
 
     def __init__(self, file, router: _Router):
-        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
         self.route = _routes(router.tree_type)
 
     def reducer_override(self, obj):
@@ -249,7 +247,7 @@ def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     path names it) or something it cannot pickle by reference (``_ResultEncoder`` then sends
     ``__main__`` code by value and refuses the rest, as multiprocessing does)."""
     buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(router.tree_type)
     try:
         p.dump(obj)

@@ -16,27 +16,11 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
 
-_RELEASE_FLUSH_S = 0.05
-_CAPACITY_GRACE_S = 5.0
-
-
-def _apply_env(env: dict) -> None:
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-    if "jax" in sys.modules and "JAX_PLATFORMS" in env:
-        # jax read JAX_PLATFORMS at import (a forkserver may have imported it): tell its config.
-        try:
-            sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"] or None)
-        except Exception:
-            pass
+from .. import _procenv
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -70,7 +54,7 @@ def worker_main(conn, fdsock, config: bytes, cell) -> None:
     """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: a shared
     int64 where it records the chunk it starts (Note [started])."""
     cfg = pickle.loads(config)
-    _apply_env(cfg["env"])
+    _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
     global CURRENT
@@ -206,12 +190,12 @@ class _Worker:
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
-        if now - self._wait_start > self.cfg.get("grace", _CAPACITY_GRACE_S):
+        if now - self._wait_start > self.cfg.get("grace", self.protocol.CAPACITY_GRACE_S):
             return False
         cond.release()
         try:
             self.flush_releases()
-            msg = self.recv(0.05)
+            msg = self.recv(self.protocol.RELEASE_FLUSH_S)
             if msg is not None and not self.handle_control(msg):
                 self.backlog.append(msg)
             return True
@@ -253,7 +237,7 @@ class _Worker:
                 msg = self.backlog.pop(0)
             else:
                 busy = self.mapper.pending or self.arena.has_forgotten()
-                msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
+                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -342,8 +326,10 @@ class _Worker:
 
 
 def _picklable(obj) -> bool:
+    from .._pickling import PICKLE_PROTOCOL
+
     try:
-        pickle.dumps(obj, protocol=5)
+        pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
         return True
     except Exception:  # noqa: BLE001
         return False
