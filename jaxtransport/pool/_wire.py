@@ -30,7 +30,7 @@ from . import _protocol
 from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
-__all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
+__all__ = ["prepare", "commit", "encode", "decode", "Held", "Encoded", "Prepared"]
 
 _PICKLE_PROTOCOL = 5
 
@@ -455,21 +455,35 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
         raise
 
 
-def decode(
-    data: bytes,
-    entries: list,
-    mapper: Mapper,
-    placement: str,
-    own: Callable | None = None,
-    trees: Callable | None = None,
-    readonly: bool = False,
-    unheld: list | None = None,
-) -> Any:
-    """Rebuild what ``encode`` made. Every entry is parsed and its holder created first
-    (validating every handle), so a bad entry fails the whole object and the good slots are
-    released with their holders. On failure the indices of entries whose slot this process never
-    held (the sender still counts them) are appended to ``unheld``; nothing refers to a holder
-    after the call, so the slots go back without waiting for the cyclic garbage collector."""
+class Held:
+    """A received message with its entries parsed and their slots held (one holder per entry,
+    every handle validated): what stays the same however many times the object is rebuilt.
+
+    ``rebuild()`` returns the object as if freshly received, each time: new containers, new
+    numpy views and new ``jax.Array`` objects over the same held memory (no copy of the bytes on
+    CPU; an accelerator gets its own host-to-device copy per call, as for any received array).
+    Deleting one (``donate_argnums``) or changing its containers cannot reach another. The
+    slots are released once this ``Held`` and every object built over it are gone.
+
+    Raises ShmHandleError / CorruptTransferError (nothing held then) for a bad entry.
+    """
+
+    __slots__ = ("data", "parsed", "holders")
+
+    def __init__(self, data: bytes, entries: list, mapper: Mapper, own: Callable | None = None,
+                 unheld: list | None = None):
+        self.data = data
+        self.parsed, self.holders = _hold(entries, mapper, own, unheld)
+
+    def rebuild(self, placement: str, trees: Callable | None = None, readonly: bool = False) -> Any:
+        return _rebuild(self.data, self.parsed, self.holders, placement, trees, readonly)
+
+
+def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | None) -> tuple[list, list]:
+    """Every entry parsed and its holder created (validating every handle), so a bad entry fails
+    the whole object and the good slots are released with their holders. On failure the indices
+    of entries whose slot this process never held (the sender still counts them) are appended to
+    ``unheld``."""
     parsed: list = []
     holders: list = []
     try:
@@ -492,19 +506,47 @@ def decode(
         holders.clear()
         holder = None  # noqa: F841 - the traceback keeps this frame: hold no slot in it
         raise
+    return parsed, holders
+
+
+def _rebuild(data: bytes, parsed: list, holders: list, placement: str, trees: Callable | None,
+             readonly: bool) -> Any:
+    """Fresh objects over the held entries; unpickles ``data`` with them. Nothing here refers
+    to a holder after the call (a traceback must not hold slots)."""
     resolved = []
     token = _pickling._placement_override.set(placement)
     outer = getattr(_decoding, "resolved", None)
     try:
         for rec, holder in zip(parsed, holders):
             resolved.append(materialize(rec, holder, placement, trees, readonly))
-        holders.clear()
         _decoding.resolved = resolved
         return pickle.loads(data)
     finally:
         _decoding.resolved = outer
         _pickling._placement_override.reset(token)
-        resolved.clear()  # the result refers to what it needs; a traceback must not hold slots
+        resolved.clear()  # the result refers to what it needs
+        rec = holder = None  # noqa: F841
+
+
+def decode(
+    data: bytes,
+    entries: list,
+    mapper: Mapper,
+    placement: str,
+    own: Callable | None = None,
+    trees: Callable | None = None,
+    readonly: bool = False,
+    unheld: list | None = None,
+) -> Any:
+    """Rebuild what ``encode`` made (once: ``Held`` rebuilds any number of times). Every entry
+    is parsed and its holder created first (validating every handle), so a bad entry fails the
+    whole object and the good slots are released with their holders. On failure the indices of
+    entries whose slot this process never held (the sender still counts them) are appended to
+    ``unheld``; nothing refers to a holder after the call, so the slots go back without waiting
+    for the cyclic garbage collector."""
+    parsed, holders = _hold(entries, mapper, own, unheld)
+    try:
+        return _rebuild(data, parsed, holders, placement, trees, readonly)
+    finally:
         holders.clear()
         parsed.clear()
-        rec = holder = None  # noqa: F841
