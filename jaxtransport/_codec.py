@@ -51,6 +51,7 @@ __all__ = [
     "PlacementFallbackWarning",
     "encode",
     "decode",
+    "decoder",
     "is_jax_array",
     "check_placement",
     "nbytes",
@@ -569,3 +570,31 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     if meta.prng_impl is not None:
         out = _wrap_key(out, meta.prng_impl)
     return out
+
+
+def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
+    """A function that returns, at each call, what ``decode(meta, buffers, placement)`` returns:
+    a new array each time (a new ``jax.Array``, or a new numpy view for "host"), over the same
+    buffers on CPU. For decoding one received array many times: a whole array placed on the
+    default device or on the host is validated once and each call costs one ``device_put``
+    (no copy on CPU) or one view; anything else decodes in full at each call. Raises what
+    ``decode`` raises for bad metadata: here for the arrays validated once, else at the call."""
+    if (isinstance(meta, tuple) and len(meta) == len(ArrayMeta._fields) and type(meta[0]) is int
+            and meta[0] == FORMAT_VERSION):
+        meta = ArrayMeta(*meta)
+        if placement in ("device", "host") and meta.prng_impl is None and not meta.indices:
+            dtype = _validate(meta, buffers)
+            _check_x64(dtype, placement)
+            host = _typed(buffers[0], dtype, meta.shape)
+            if placement == "host":
+                return host.view
+            put = _compat.putter_on_default_device(host, meta.weak_type)
+            if dtype.itemsize < 8:
+                return put
+
+            def put_checked():  # 64-bit: x64 may have been turned off since
+                _check_x64(dtype, placement)
+                return put()
+
+            return put_checked
+    return functools.partial(decode, meta, buffers, placement)

@@ -224,8 +224,8 @@ class _Worker:
                     "task ran?). Keep a SharedTree alive and unreleased while tasks using it run."
                 )
             data, entries = self.trees[tree_id]
-            held = self.held_trees[tree_id] = self.wire.Held(data, entries, self.mapper)
-        return held.rebuild(self.placement, readonly=True)
+            held = self.held_trees[tree_id] = self.wire.Held(data, entries, self.mapper, self.placement, readonly=True)
+        return held.rebuild()
 
     # Note [a shared tree per task]
     # A SharedTree's slots are held (and their segments mapped) once per worker, in a
