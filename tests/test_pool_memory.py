@@ -183,13 +183,16 @@ def shared_params():
         "b": jax.random.normal(k2, (3,), jnp.float32),  # below the threshold: in the pickle
         "layers": [jnp.arange(MIB // 4, dtype=jnp.int32), np.linspace(0.0, 1.0, MIB // 8)],
         "scale": jnp.asarray(0.5),  # weak-typed
+        "weak": jax.lax.broadcast(jnp.asarray(1.5), (MIB // 4,)),  # weak-typed, shared memory
+        "keys": jax.random.split(jax.random.key(3), MIB // 8),  # typed PRNG keys, shared memory
     }
 
 
 def leaf_bytes(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    data = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in leaves]
     return str(treedef), [(type(x).__name__, str(x.dtype), bool(getattr(x, "weak_type", False)),
-                           np.asarray(x).tobytes()) for x in leaves]
+                           np.asarray(d).tobytes()) for x, d in zip(leaves, data)]
 
 
 def donate_leaves(tree):
@@ -261,7 +264,7 @@ def test_changing_a_shared_trees_containers_does_not_reach_later_tasks(placement
         expected = p.apply(leaf_bytes, (s,))
         if placement == "device":
             assert expected == leaf_bytes(params)
-        keys = ["layers", "new", "scale", "w"]
+        keys = ["keys", "layers", "new", "scale", "w", "weak"]
         assert p.apply(mutate_containers, ((s, s),)) == (True, True, keys)
         for _ in range(2):
             assert p.apply(leaf_bytes, (s,)) == expected
