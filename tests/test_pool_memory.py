@@ -4,6 +4,7 @@ share(), handles back instead of copies, capacity, bad handles, slots of dead wo
 from __future__ import annotations
 
 import gc
+import json
 import os
 import resource
 import signal
@@ -19,7 +20,7 @@ from jaxtransport.pool import _engine as _pool_engine
 from jaxtransport.pool import _wire as _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
-from .conftest import wait_until
+from .conftest import run_python, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
@@ -275,6 +276,51 @@ def test_changing_a_shared_trees_containers_does_not_reach_later_tasks(placement
         assert p.apply(leaf_bytes, (s,)) == expected
         s.release()
         assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+
+
+SHARDED_TREE = r"""
+import json
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxtransport as jt
+
+def donate(tree):
+    x = tree["x"]
+    ptrs = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    return x.is_deleted(), ptrs, np.asarray(y).tobytes().hex()
+
+def read(tree):
+    x = tree["x"]
+    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards], np.asarray(x).tobytes().hex(), len(x.sharding.device_set)
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+base = jax.random.normal(jax.random.key(1), (512, 1024), jnp.float32)
+x = jax.device_put(base, NamedSharding(mesh, P("x", "y")))
+report = {}
+for placement in ("device", "preserve"):
+    with jt.Pool(1, placement=placement) as p, p.share({"x": x}) as s:
+        deleted, ptrs1, plus_one = p.apply(donate, (s,))
+        ptrs2, value2, ndev = p.apply(read, (s,))
+        ptrs3, value3, _ = p.apply(read, (s,))
+        report[placement] = dict(deleted=deleted, plus_one=plus_one == np.asarray(base + 1).tobytes().hex(),
+                                 same_memory=ptrs1 == ptrs2 == ptrs3, fresh_ok=value2 == value3 == np.asarray(base).tobytes().hex(),
+                                 ndev=ndev)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sharded_shared_leaf_is_assembled_once_and_donation_stays_in_its_task():
+    """A sharded leaf (8 host devices): "device" assembles it once per worker (later tasks alias
+    the same copy), "preserve" aliases the shards; either way a donating task leaves the next
+    tasks their values."""
+    proc = run_python(SHARDED_TREE, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+                      timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for placement, ndev in (("device", 1), ("preserve", 8)):
+        assert report[placement] == dict(deleted=True, plus_one=True, same_memory=True, fresh_ok=True, ndev=ndev), placement
 
 
 def hold_tree(args):
