@@ -440,7 +440,7 @@ def _materialize(entry, holder, placement, trees, readonly, again: bool):
     return _build("jax", (entry.meta, entry.layout), holder, entry.handle, placement, True, again)
 
 
-def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool, again: bool) -> Any:
+def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool, again: bool = False) -> Any:
     """The object (``again``: a function returning a new one at each call)."""
     raw = np.frombuffer(holder, np.uint8, count=handle[2])
     if readonly:
