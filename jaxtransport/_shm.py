@@ -715,6 +715,8 @@ class Arena:
             return True
 
     def transfer(self, handles, src: Hashable, dst: Hashable) -> None:
+        if not handles:
+            return
         with self.cond:
             for h in handles:
                 slot = self._slot(h)
@@ -824,14 +826,12 @@ class Mapper:
         """Pop queued releases (at most ``limit``) for the sender."""
         if self.live:
             collect_deferred()
-        out = []
-        pop = self.pending.popleft
-        try:
-            while limit is None or len(out) < limit:
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
+        pending = self.pending
+        n = len(pending)
+        if limit is not None:
+            n = min(n, limit)
+        pop = pending.popleft
+        return [pop() for _ in range(n)]
 
     def _drain(self, want: int | None, timeout: float) -> None:
         if self.sock is None:

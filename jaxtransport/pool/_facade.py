@@ -162,6 +162,13 @@ class Pool:
         Pickles and copies the arguments' large arrays into shared memory in this thread (may
         wait for memory, see shm_capacity); raises TracerTransportError / pickling errors here.
         """
+        result = AsyncResult(self, callback, error_callback)
+        self._submit_apply(func, args, kwds, result)
+        return result
+
+    def _submit_apply(self, func: Callable, args, kwds, result: AsyncResult) -> None:
+        """Send one call completing ``result`` (``apply_async``; the Executor passes results
+        of its own)."""
         state = self._state
         state.check_running()
         kwds = {} if kwds is None else kwds
@@ -171,9 +178,7 @@ class Pool:
             return _first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
-        result = AsyncResult(self, callback, error_callback)
         state.submit(prep, result, 0)
-        return result
 
     def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None):
         """``apply_async(...).get()``."""

@@ -66,14 +66,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxtransport-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, fdsock, config: bytes) -> None:
-    """Entry point of a pool worker (a spawn/forkserver ``Process`` target)."""
+def worker_main(conn, fdsock, config: bytes, cell) -> None:
+    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: a shared
+    int64 where it records the chunk it starts (Note [started])."""
     cfg = pickle.loads(config)
     _apply_env(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
     global CURRENT
-    CURRENT = _Worker(conn, fdsock, cfg)
+    CURRENT = _Worker(conn, fdsock, cfg, cell)
     CURRENT.run()
 
 
@@ -81,7 +82,7 @@ CURRENT = None  # the running worker (for introspection and tests)
 
 
 class _Worker:
-    def __init__(self, conn, fdsock, cfg):
+    def __init__(self, conn, fdsock, cfg, cell=None):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
         from .. import _shm
@@ -92,6 +93,11 @@ class _Worker:
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
+        from ._senders import BufferedFrames
+
+        # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
+        # system calls per message: tens of microseconds per task on the tiny-task path).
+        self.frames = BufferedFrames(conn.fileno())
         self.placement = cfg["placement"]
         self.threshold = cfg["threshold"]
         self.arena = _shm.Arena(cfg["capacity"], label=f"pool worker {os.getpid()}")
@@ -106,7 +112,7 @@ class _Worker:
         self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
         self.held_trees: dict[int, object] = {}  # id -> _wire.Held: its slots held, mapped once
         self.backlog: list = []
-        self.implied: int | None = None  # the task the parent marks started on our last Result
+        self.cell = cell
         self.parent_gone = False
         self._wait_start: float | None = None
 
@@ -148,12 +154,12 @@ class _Worker:
         (a task whose chunk id is readable fails alone; anything else: ``Garbled``)."""
         P = self.protocol
         while True:
-            if timeout is not None and not self.conn.poll(timeout):
-                return None
             try:
-                raw = self.conn.recv_bytes()
+                raw = self.frames.next(timeout)
             except (EOFError, OSError):
                 raise SystemExit(0) from None
+            if raw is None:
+                return None
             try:
                 return P.loads(raw, P.TO_WORKER)
             except P.CorruptTransferError as e:
@@ -269,10 +275,16 @@ class _Worker:
             if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
-            if msg.chunk_id != self.implied:
-                # The parent cannot infer that this one started (Note [started]): announce it.
-                self.send(self.protocol.Started(msg.chunk_id))
-            self.implied = None
+            # Note [started]
+            # ~~~~~~~~~~~~~~
+            # When a worker dies, the parent must tell the chunk it was running (it fails with
+            # WorkerLostError) from the chunks queued behind it (they never ran: they run on the
+            # replacement). Chunks run in the order sent, so the id of the chunk started last
+            # decides: we store it in a cell of shared memory before starting the chunk, and the
+            # parent reads it once the process is gone and every Result it sent has been read.
+            # A plain store: no message, no wakeup of the parent per task.
+            if self.cell is not None:
+                self.cell.value = msg.chunk_id
             self.run_chunk(msg)
             done += 1
             if maxtasks and done >= maxtasks:
@@ -322,18 +334,7 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
-        # Note [started]: on this Result the parent marks the first task it had already sent us
-        # as started. Those are exactly the tasks readable now (a task sent later reaches the
-        # pipe after it): take them into the backlog, so that the next task announces itself
-        # (Started) unless it was one of them.
-        P = self.protocol
-        while True:
-            pending = self.recv(0)
-            if pending is None:
-                break
-            self.backlog.append(pending)
-        self.implied = next((m.chunk_id for m in self.backlog if type(m) is P.Task), None)
-        self.send(P.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
