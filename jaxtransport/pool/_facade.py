@@ -263,7 +263,8 @@ class Pool:
         """Copy ``tree``'s arrays into shared memory once and return a :class:`SharedTree`.
 
         Cost: one memcpy of the tree's large arrays (``shm_threshold``), whatever the number of
-        tasks and workers; each worker maps it once (no copy on CPU). Raises
+        tasks and workers; each worker maps it once (no copy on CPU), and each task gets its own
+        tree over that memory (new containers and arrays: see :class:`SharedTree`). Raises
         TracerTransportError (path under ``tree``) before taking any memory.
         """
         state = self._state

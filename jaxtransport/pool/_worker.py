@@ -93,8 +93,8 @@ class _Worker:
                 self.arena.reserve_error = e
         self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
-        self.trees: dict[int, tuple] = {}  # id -> (data, entries)
-        self.tree_cache: dict[int, object] = {}
+        self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
+        self.held_trees: dict[int, object] = {}  # id -> _wire.Held: its slots held, mapped once
         self.backlog: list = []
         self.cell = cell
         self.parent_gone = False
@@ -177,7 +177,7 @@ class _Worker:
             self.trees[msg.tree_id] = (msg.data, msg.entries)
         elif kind is P.DropTree:
             self.trees.pop(msg.tree_id, None)
-            self.tree_cache.pop(msg.tree_id, None)
+            self.held_trees.pop(msg.tree_id, None)
         elif kind is P.Forget:
             self.mapper.forget(msg.seg_ids)
         else:
@@ -203,21 +203,34 @@ class _Worker:
             cond.acquire()
 
     def tree(self, tree_id: int):
-        try:
-            return self.tree_cache[tree_id]
-        except KeyError:
-            pass
-        if tree_id not in self.trees:
-            from .._errors import ShmHandleError
+        """Shared tree ``tree_id`` as if freshly received (Note [a shared tree per task])."""
+        held = self.held_trees.get(tree_id)
+        if held is None:
+            if tree_id not in self.trees:
+                from .._errors import ShmHandleError
 
-            raise ShmHandleError(
-                f"SharedTree {tree_id} is not defined in this worker (it was released before the "
-                "task ran?). Keep a SharedTree alive and unreleased while tasks using it run."
-            )
-        data, entries = self.trees[tree_id]
-        value = self.wire.decode(data, entries, self.mapper, self.placement, readonly=True)
-        self.tree_cache[tree_id] = value
-        return value
+                raise ShmHandleError(
+                    f"SharedTree {tree_id} is not defined in this worker (it was released before the "
+                    "task ran?). Keep a SharedTree alive and unreleased while tasks using it run."
+                )
+            data, entries = self.trees[tree_id]
+            held = self.held_trees[tree_id] = self.wire.Held(data, entries, self.mapper, self.placement, readonly=True)
+        return held.rebuild()
+
+    # Note [a shared tree per task]
+    # A SharedTree's slots are held (and their segments mapped) once per worker, in a
+    # ``_wire.Held``; every message that refers to the tree rebuilds it from there: new
+    # containers, new numpy views, new jax.Arrays, over the same memory (no copy on CPU). So a
+    # task that donates a leaf (jit donate_argnums deletes the jax.Array it was given) or
+    # changes the tree's dicts and lists leaves every other task's tree as it was: each sees what
+    # a freshly received argument would be. Within one message (a chunk of tasks) the tree is
+    # one object wherever it appears, as pickle makes of one object referenced twice. Leaves
+    # stay read-only: numpy views are not writeable, and XLA:CPU does not reuse a donated
+    # buffer it does not own (one that aliases host memory), so donation cannot write into the
+    # shared bytes (checked on jax 0.4.30, 0.10.2 and 0.12; tests/test_pool_memory.py checks
+    # both). What does not change is done once in ``Held`` (mapping, validation, each leaf's
+    # abstract value); a message costs one device_put per jax.Array leaf (``SharedTree``'s
+    # docstring gives the figure).
 
     # -- the loop
     def run(self) -> None:
