@@ -4,8 +4,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
-# Ray and the test and plotting tools (the whole suite runs); `make bench` adds Ray and
-# matplotlib. `make venv` installs everything (development).
+# Ray and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
+# and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
+# `make venv` is what `make test` installs (development).
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -32,15 +33,17 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,bench]'
+	$(PIP) -e '.[ray,test]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
 	$(PIP) -e .
 	touch $(DEMO_STAMP)
 
+# PyPI's torch wheel pulls in CUDA (gigabytes); the CPU wheel comes from PyTorch's index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(BENCH_STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,bench]'
+	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench]'
 	touch $(BENCH_STAMP)
 
 venv: $(STAMP)

@@ -51,6 +51,7 @@ __all__ = [
     "PlacementFallbackWarning",
     "encode",
     "decode",
+    "decoder",
     "is_jax_array",
     "check_placement",
     "nbytes",
@@ -419,12 +420,19 @@ def _typed(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
-def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype) -> np.ndarray:
-    """The whole array as one host ndarray; a view when a single buffer covers it. ``meta`` was
-    validated: the shards tile the shape exactly, so ``np.empty`` is entirely overwritten."""
+def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, aligned: bool = False) -> np.ndarray:
+    """The whole array as one host ndarray; a view when a single buffer covers it (``aligned``:
+    a copy starts at a 64-byte boundary, so that device_put on CPU aliases it). ``meta`` was
+    validated: the shards tile the shape exactly, so the new array is entirely overwritten."""
     if not meta.indices:
         return _typed(buffers[0], dtype, meta.shape)
-    out = np.empty(meta.shape, dtype)
+    if aligned:
+        n = math.prod(meta.shape) * dtype.itemsize
+        raw = np.empty(n + 64, np.uint8)
+        start = -raw.ctypes.data % 64
+        out = raw[start : start + n].view(dtype).reshape(meta.shape)
+    else:
+        out = np.empty(meta.shape, dtype)
     for idx, buf in zip(meta.indices, buffers):
         shard_shape = tuple(b - a for a, b in idx)
         out[tuple(slice(a, b) for a, b in idx)] = _typed(buf, dtype, shard_shape)
@@ -569,3 +577,34 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     if meta.prng_impl is not None:
         out = _wrap_key(out, meta.prng_impl)
     return out
+
+
+def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
+    """A function that returns, at each call, what ``decode(meta, buffers, placement)`` returns:
+    a new array each time (a new ``jax.Array``, or a new numpy view for "host"; read-only when
+    it is a sharded array's one assembled copy), over the same buffers on CPU. For decoding one received array many times: an array placed on the default
+    device or on the host is validated (and a sharded one assembled, read-only) once, and each
+    call costs one ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG
+    keys) decodes in full at each call. Raises what ``decode`` raises for bad metadata: here for
+    the arrays validated once, else at the call."""
+    if (isinstance(meta, tuple) and len(meta) == len(ArrayMeta._fields) and type(meta[0]) is int
+            and meta[0] == FORMAT_VERSION):
+        meta = ArrayMeta(*meta)
+        if placement in ("device", "host") and meta.prng_impl is None:
+            dtype = _validate(meta, buffers)
+            _check_x64(dtype, placement)
+            host = _assemble(meta, buffers, dtype, aligned=True)
+            if meta.indices:
+                host.flags.writeable = False  # shared by every call's array
+            if placement == "host":
+                return host.view
+            put = _compat.putter_on_default_device(host, meta.weak_type)
+            if dtype.itemsize < 8:
+                return put
+
+            def put_checked():  # 64-bit: x64 may have been turned off since
+                _check_x64(dtype, placement)
+                return put()
+
+            return put_checked
+    return functools.partial(decode, meta, buffers, placement)

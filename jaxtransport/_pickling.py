@@ -20,13 +20,16 @@ import io
 import pickle
 import pickletools
 import sys
-import threading
 from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
 
 from . import _errors
+from ._registry import Registration
+
+# Every pickle jaxtransport writes: protocol 5 is the one with out-of-band buffers (PEP 574).
+PICKLE_PROTOCOL = 5
 
 # JAX (with _codec and _tracers, which need it) is imported where a JAX object is at hand or
 # the caller asked for JAX, never at import: a process that has not imported JAX holds no
@@ -70,10 +73,8 @@ _placement_override: contextvars.ContextVar[str | None] = contextvars.ContextVar
     "jaxtransport_placement", default=None
 )
 
-_lock = threading.Lock()
-_MISSING = object()
-# type -> what copyreg.dispatch_table held for it before register() (or _MISSING)
-_saved: dict[type, Any] = {}
+# Our reducers in copyreg.dispatch_table, and what they replaced (restored by unregister()).
+_registration = Registration(lambda: copyreg.dispatch_table)
 
 
 def current_placement() -> str:
@@ -150,33 +151,23 @@ def register(placement: str = "device") -> None:
     from ._tracers import tracer_types
 
     _codec.check_placement(placement)
-    with _lock:
+    with _registration.lock:
         _default_placement = placement
-        table = copyreg.dispatch_table
         entries: list[tuple[type, Callable]] = [(t, _reduce_array) for t in _codec.concrete_array_types()]
         entries += [(t, _reduce_tracer) for t in tracer_types()]
-        for cls, reducer in entries:
-            if cls not in _saved:
-                _saved[cls] = table.get(cls, _MISSING)
-            table[cls] = reducer
+        _registration.install(entries)
 
 
 def unregister() -> None:
     """Undo :func:`register`: restore exactly what ``copyreg.dispatch_table`` held before."""
     global _default_placement
-    with _lock:
-        table = copyreg.dispatch_table
-        for cls, previous in _saved.items():
-            if previous is _MISSING:
-                table.pop(cls, None)
-            else:
-                table[cls] = previous
-        _saved.clear()
+    with _registration.lock:
+        _registration.restore()
         _default_placement = "device"
 
 
 def is_registered() -> bool:
-    return bool(_saved)
+    return _registration.active
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +221,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
 
     f = io.BytesIO()
     try:
-        _Pickler(f, protocol=5, buffer_callback=callback).dump(obj)
+        _Pickler(f, protocol=PICKLE_PROTOCOL, buffer_callback=callback).dump(obj)
     except tracer_error_type() as e:
         raise _with_path(e, obj, "") from None
     return f.getvalue(), buffers

@@ -1,4 +1,10 @@
-"""The environment each Pool worker starts with (set before JAX initialises there)."""
+"""The environment worker processes start with (set before JAX initialises there).
+
+Every change jaxtransport makes to ``os.environ`` goes through :func:`environ_overlay` (in a
+parent, for the duration of a child's start) or :func:`apply_environ` (in the child, for good);
+what a child gets is computed here too (:func:`worker_env` for Pool workers,
+:func:`child_jax_env` for Ray's ``runtime_env``).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,23 @@ import sys
 import threading
 from typing import Iterator, Mapping
 
-__all__ = ["environ_overlay", "fork_refused", "gpu_ids", "malloc_huge_pages", "worker_env"]
+__all__ = [
+    "NO_PREALLOCATION",
+    "apply_environ",
+    "child_jax_env",
+    "environ_overlay",
+    "fork_refused",
+    "gpu_ids",
+    "malloc_huge_pages",
+    "worker_env",
+]
 
-_ENVIRON_LOCK = threading.Lock()
+# Re-entrant, so that apply_environ() inside an overlay on the same thread cannot deadlock.
+_ENVIRON_LOCK = threading.RLock()
+
+# What every worker process gets: no GPU memory grab (N workers sharing a GPU must not each
+# preallocate 75% of it).
+NO_PREALLOCATION = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 @contextlib.contextmanager
@@ -28,12 +48,26 @@ def environ_overlay(env: Mapping[str, str | None]) -> Iterator[None]:
             _apply(saved)
 
 
-def _apply(env: Mapping[str, str | None]) -> None:
+def apply_environ(env: Mapping[str, object]) -> None:
+    """Apply ``env`` to ``os.environ`` for good (None unsets; other values as ``str``): what a
+    worker process does with the variables its parent chose, before it first uses JAX. When
+    JAX is already imported here (a forkserver may have imported it) and ``env`` sets
+    ``JAX_PLATFORMS``, JAX's config is told too, since JAX read that variable at import."""
+    with _ENVIRON_LOCK:
+        _apply(env)
+    if "jax" in sys.modules and "JAX_PLATFORMS" in env:
+        try:
+            sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"] or None)
+        except Exception:
+            pass
+
+
+def _apply(env: Mapping[str, object]) -> None:
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
         else:
-            os.environ[k] = v
+            os.environ[k] = str(v)
 
 
 def fork_refused(what: str, knob: str = "start_method") -> str:
@@ -80,6 +114,29 @@ def gpu_ids() -> list[str]:
     return [str(i) for i in range(n)]
 
 
+def _parent_x64() -> bool:
+    """Whether this process enabled 64-bit types in JAX (without importing JAX)."""
+    jax = sys.modules.get("jax")
+    try:
+        return jax is not None and bool(jax.config.jax_enable_x64)
+    except AttributeError:
+        return False
+
+
+def child_jax_env(base: Mapping[str, str], *, huge_pages: bool = True) -> dict[str, str]:
+    """``base`` (copied) plus what a child process needs to run JAX as this one does, where
+    ``base`` does not say otherwise: ``JAX_ENABLE_X64=1`` when this process enabled x64 (so that
+    float64 arguments stay float64 there), and with ``huge_pages`` a ``GLIBC_TUNABLES`` (``base``'s,
+    else this process's) that also sets ``glibc.malloc.hugetlb=1`` (Note [huge pages for JAX
+    buffers])."""
+    env = dict(base)
+    if _parent_x64() and "JAX_ENABLE_X64" not in env:
+        env["JAX_ENABLE_X64"] = "1"
+    if huge_pages:
+        env["GLIBC_TUNABLES"] = malloc_huge_pages(env.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
+    return env
+
+
 def _parent_platforms() -> str | None:
     value = os.environ.get("JAX_PLATFORMS")
     jax = sys.modules.get("jax")
@@ -105,19 +162,10 @@ def worker_env(
     ``GLIBC_TUNABLES`` with ``glibc.malloc.hugetlb=1`` (Note [huge pages for JAX buffers]), and
     on multi-GPU hosts a round-robin ``CUDA_VISIBLE_DEVICES`` of ``devices_per_worker`` GPUs
     (default 1); ``overrides`` win (a value of None unsets)."""
-    env: dict[str, str | None] = {
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "GLIBC_TUNABLES": malloc_huge_pages(os.environ.get("GLIBC_TUNABLES")),
-    }
+    env: dict[str, str | None] = {**NO_PREALLOCATION, **child_jax_env({})}
     platforms = _parent_platforms()
     if platforms:
         env["JAX_PLATFORMS"] = platforms
-    jax = sys.modules.get("jax")
-    try:
-        if jax is not None and jax.config.jax_enable_x64:
-            env["JAX_ENABLE_X64"] = "1"  # float64 arguments must stay float64 in the workers
-    except AttributeError:
-        pass
     gpus = gpu_ids() if gpus is None else gpus
     on_cpu_only = platforms is not None and platforms.strip().lower() == "cpu"
     if len(gpus) > 1 and not on_cpu_only:

@@ -59,6 +59,9 @@ __all__ = [
 PAGE = mmap.PAGESIZE
 ALIGN = 64
 SLAB = 2 << 20  # size classes below this share a segment of this size
+# The default shm_threshold of Pool, Queue and Pipe: arrays of at least this many bytes travel
+# through shared memory, smaller ones inside the pickle.
+DEFAULT_SHM_THRESHOLD = 1 << 20
 _MIN_CLASS = 4096
 _FD_MSG = struct.Struct("<QQ")  # segment id, segment size
 
@@ -715,6 +718,8 @@ class Arena:
             return True
 
     def transfer(self, handles, src: Hashable, dst: Hashable) -> None:
+        if not handles:
+            return
         with self.cond:
             for h in handles:
                 slot = self._slot(h)
@@ -824,14 +829,12 @@ class Mapper:
         """Pop queued releases (at most ``limit``) for the sender."""
         if self.live:
             collect_deferred()
-        out = []
-        pop = self.pending.popleft
-        try:
-            while limit is None or len(out) < limit:
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
+        pending = self.pending
+        n = len(pending)
+        if limit is not None:
+            n = min(n, limit)
+        pop = pending.popleft
+        return [pop() for _ in range(n)]
 
     def _drain(self, want: int | None, timeout: float) -> None:
         if self.sock is None:

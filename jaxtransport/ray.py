@@ -89,6 +89,7 @@ import jax.errors
 from . import _codec, _compat, _procenv
 from ._errors import TracerTransportError, TransportError
 from ._pickling import _raw
+from ._registry import Registration
 from ._tracers import find_tracer, tracer_error, tracer_types
 
 __all__ = [
@@ -108,11 +109,6 @@ _PLACEMENT_ENV = "JAXTRANSPORT_RAY_PLACEMENT"
 _USER_HOOK_ENV = "JAXTRANSPORT_RAY_USER_HOOK"
 _CHAINED = "_jaxtransport_chained_hook"
 _WHERE = "passed to Ray as a task/actor argument or a ray.put value"
-
-_lock = threading.RLock()
-_MISSING = object()
-# type -> what Ray's pickler dispatch held for it before register() (or _MISSING)
-_saved: dict[type, Any] = {}
 
 
 def _initial_placement() -> str:
@@ -168,6 +164,7 @@ def _deserialize(payload: tuple) -> Any:
 
 _reaper_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in weakref callbacks
 _reaper: threading.Thread | None = None
+_reaper_lock = threading.RLock()
 # Seconds between drains after a death: soon, then backing off, because on a loaded machine the
 # runtime thread may queue the decref well after the array died (cumulative ~2.6 s).
 _REAP_DELAYS = (0.005, 0.05, 0.5, 2.0)
@@ -198,7 +195,7 @@ def _release_promptly(out: Any) -> None:
     global _reaper
     weakref.finalize(out, _reaper_queue.put, None).atexit = False
     if _reaper is None:
-        with _lock:
+        with _reaper_lock:
             if _reaper is None:
                 _reaper = threading.Thread(
                     target=_reap_forever, name="jaxtransport-ray-release", daemon=True
@@ -366,6 +363,16 @@ def _ray_dispatch() -> dict:
     return dispatch.maps[0] if isinstance(dispatch, ChainMap) else dispatch
 
 
+def _register_serializer(cls: type, serializer: Callable) -> None:
+    ray.util.register_serializer(cls, serializer=serializer, deserializer=_deserialize)
+
+
+# Our serializers in Ray's dispatch, and what they replaced (restored by unregister()). Ours go
+# in through Ray's API; a type that had no serializer before is deregistered the same way.
+_registration = Registration(_ray_dispatch, put=_register_serializer,
+                             drop=lambda cls: ray.util.deregister_serializer(cls))
+
+
 def register(placement: str = "device") -> None:
     """Make Ray (in this process) move JAX arrays through jaxtransport.
 
@@ -389,15 +396,11 @@ def register(placement: str = "device") -> None:
     """
     global _placement
     _codec.check_placement(placement)
-    with _lock:
+    with _registration.lock:
         _placement = placement
-        table = _ray_dispatch()
         entries = [(t, _serialize) for t in _codec.concrete_array_types()]
         entries += [(t, _refuse_tracer) for t in tracer_types()]
-        for cls, serializer in entries:
-            if cls not in _saved:
-                _saved[cls] = table.get(cls, _MISSING)
-            ray.util.register_serializer(cls, serializer=serializer, deserializer=_deserialize)
+        _registration.install(entries)
         _patch_inspect()
         _watch_default_serialization(True)
 
@@ -406,14 +409,8 @@ def unregister() -> None:
     """Undo :func:`register` in this process: Ray's serializers for these types are restored to
     exactly what they were before (usually none: JAX's own pickling)."""
     global _placement
-    with _lock:
-        table = _ray_dispatch()
-        for cls, previous in _saved.items():
-            if previous is _MISSING:
-                ray.util.deregister_serializer(cls)
-            else:
-                table[cls] = previous
-        _saved.clear()
+    with _registration.lock:
+        _registration.restore()
         _unpatch_inspect()
         _watch_default_serialization(False)
         _placement = _initial_placement()
@@ -421,7 +418,7 @@ def unregister() -> None:
 
 def is_registered() -> bool:
     """Whether :func:`register` is in effect in this process."""
-    return bool(_saved)
+    return _registration.active
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,12 +509,7 @@ def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None 
             f"'module.function' import path string, got {type(hook).__name__}: {hook!r}."
         )
 
-    if jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in env_vars:
-        env_vars["JAX_ENABLE_X64"] = "1"
-    if huge_pages:
-        env_vars["GLIBC_TUNABLES"] = _procenv.malloc_huge_pages(
-            env_vars.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES")))
-    env["env_vars"] = env_vars
+    env["env_vars"] = _procenv.child_jax_env(env_vars, huge_pages=huge_pages)
     return env
 
 

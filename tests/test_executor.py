@@ -67,6 +67,31 @@ def test_submit_map_and_futures_helpers(executor):
     assert asyncio.run(main()) == [0, 1, 4, 9, 16]
 
 
+def test_done_callbacks_run_on_the_callback_thread_never_the_manager(executor):
+    # A future without done-callbacks is completed by the pool's manager thread directly (no
+    # hop); one with a callback must still be completed where user code may run and block.
+    import threading
+
+    seen, ready = [], threading.Event()
+
+    def slow_callback(f):
+        seen.append((threading.current_thread().name, f.result()))
+        time.sleep(0.5)  # blocking here must not stall other futures' completion
+        ready.set()
+
+    f1 = executor.submit(nap, 0.3)
+    f1.add_done_callback(slow_callback)
+    others = [executor.submit(square, i) for i in range(20)]
+    assert [f.result(timeout=60) for f in others] == [i * i for i in range(20)]
+    assert ready.wait(60)
+    assert seen == [("jaxtransport-pool-callbacks", 0.3)]
+    late = executor.submit(square, 3)
+    assert late.result(timeout=60) == 9
+    names = []
+    late.add_done_callback(lambda f: names.append(threading.current_thread().name))
+    assert names == [threading.current_thread().name]  # done already: runs in the adder's thread
+
+
 def test_exception_carries_the_remote_traceback(executor):
     f = executor.submit(fail, "boom")
     with pytest.raises(ValueError, match="boom") as info:

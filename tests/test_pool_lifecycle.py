@@ -113,9 +113,10 @@ def test_worker_death_mid_task_raises_and_pool_recovers(how, bounded):
         assert wait_until(lambda: all(w.ready for w in p._state.workers), 30)
         if how == "sigkill":
             r = p.apply_async(sleep_then, (os.getpid(), 30))
-            # ... and until the worker has started it (it announces that): a task that never
+            # ... and until the worker has started it (it records that): a task that never
             # started in a dead worker runs on the replacement instead of failing.
-            victim = wait_until(lambda: any(w.outstanding and w.outstanding[0].started for w in p._state.workers), 30)
+            victim = wait_until(lambda: any(w.outstanding and w.started_chunk() == w.outstanding[0].chunk_id
+                                            for w in p._state.workers), 30)
             assert victim
             time.sleep(0.5)
             (w,) = [w for w in p._state.workers if w.outstanding]

@@ -4,6 +4,7 @@ share(), handles back instead of copies, capacity, bad handles, slots of dead wo
 from __future__ import annotations
 
 import gc
+import json
 import os
 import resource
 import signal
@@ -19,7 +20,7 @@ from jaxtransport.pool import _engine as _pool_engine
 from jaxtransport.pool import _wire as _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
-from .conftest import wait_until
+from .conftest import run_python, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
@@ -141,10 +142,11 @@ def tree_identity(args):
     tree, seed = args
     w = worker()
     leaf = tree["w"]
-    return os.getpid(), id(tree), w.mapper.find(leaf.unsafe_buffer_pointer(), leaf.nbytes) is not None, float(leaf[seed])
+    ptr = leaf.unsafe_buffer_pointer()
+    return os.getpid(), ptr, w.mapper.find(ptr, leaf.nbytes) is not None, float(leaf[seed])
 
 
-def test_share_broadcast_once_cached_per_worker_and_released():
+def test_share_broadcast_once_mapped_once_per_worker_and_released():
     with jt.Pool(2) as p:
         arena = p._state.arena
         params = {"w": jnp.arange(4 * MIB // 4, dtype=jnp.float32), "b": jnp.ones(3)}
@@ -154,10 +156,10 @@ def test_share_broadcast_once_cached_per_worker_and_released():
         assert shared.nbytes == params["w"].nbytes and shared.tree is params
         out = p.map(tree_identity, [(shared, i) for i in range(16)], chunksize=1)
         by_pid = {}
-        for pid, ident, aliased, val in out:
-            by_pid.setdefault(pid, set()).add(ident)
+        for pid, ptr, aliased, val in out:
+            by_pid.setdefault(pid, set()).add(ptr)
             assert aliased  # the worker's array aliases the shared copy
-        assert all(len(ids) == 1 for ids in by_pid.values())  # materialized once per worker
+        assert all(len(ptrs) == 1 for ptrs in by_pid.values())  # mapped once per worker, no copy
         assert [o[3] for o in out] == [float(i) for i in range(16)]
         assert arena.in_use() - before == params["w"].nbytes  # still one copy
         shared.release()
@@ -168,6 +170,157 @@ def test_share_broadcast_once_cached_per_worker_and_released():
         assert wait_until(lambda: arena.in_use() == before, 10)
         with pytest.raises(PoolStateError, match="only travels"):
             __import__("pickle").dumps(shared)
+
+
+# Each task sees a SharedTree as if freshly received (issue 10, item 3): its own containers and
+# its own jax.Array/numpy objects over the same shared memory, so donating a leaf or changing a
+# container in one task cannot reach a later task on the same worker.
+
+
+def shared_params():
+    k1, k2 = jax.random.split(jax.random.key(10))
+    return {
+        "w": jax.random.normal(k1, (MIB // 2,), jnp.float32),  # shared memory (2 MiB)
+        "b": jax.random.normal(k2, (3,), jnp.float32),  # below the threshold: in the pickle
+        "layers": [jnp.arange(MIB // 4, dtype=jnp.int32), np.linspace(0.0, 1.0, MIB // 8)],
+        "scale": jnp.asarray(0.5),  # weak-typed
+        "weak": jax.lax.broadcast(jnp.asarray(1.5), (MIB // 4,)),  # weak-typed, shared memory
+        "keys": jax.random.split(jax.random.key(3), MIB // 8),  # typed PRNG keys, shared memory
+    }
+
+
+def leaf_bytes(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    data = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in leaves]
+    return str(treedef), [(type(x).__name__, str(x.dtype), bool(getattr(x, "weak_type", False)),
+                           np.asarray(d).tobytes()) for x, d in zip(leaves, data)]
+
+
+def donate_leaves(tree):
+    import jax
+
+    ptr = tree["w"].unsafe_buffer_pointer()
+    twice = jax.jit(lambda w, b, i: (w * 2, b * 2, i + 1), donate_argnums=(0, 1, 2))
+    w, b, i = twice(tree["w"], tree["b"], tree["layers"][0])
+    w.block_until_ready()
+    deleted = [tree["w"].is_deleted(), tree["b"].is_deleted(), tree["layers"][0].is_deleted()]
+    _KEEP.append((tree, ptr))  # the next task compares its own objects with these
+    return deleted, float(w[0]), int(i[0])
+
+
+def read_after_donation(tree):
+    ((old, ptr),) = _KEEP
+    _KEEP.clear()
+    fresh = [tree is not old, tree["w"] is not old["w"], tree["layers"] is not old["layers"]]
+    same_memory = tree["w"].unsafe_buffer_pointer() == ptr
+    return fresh, same_memory, leaf_bytes(tree)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method,placement",
+                         [("spawn", "device"), ("forkserver", "device"), ("spawn", "preserve")])
+def test_donating_a_shared_leaf_leaves_later_tasks_their_tree(start_method, placement):
+    params = shared_params()
+    expected = leaf_bytes(params)
+    with jt.Pool(1, start_method=start_method, placement=placement) as p:
+        arena = p._state.arena
+        before = arena.in_use()
+        with p.share(params) as s:
+            deleted, w0, i0 = p.apply(donate_leaves, (s,))
+            assert deleted == [True, True, True]  # the task's own arrays were donated
+            assert w0 == float(params["w"][0]) * 2 and i0 == 1
+            fresh, same_memory, got = p.apply(read_after_donation, (s,))
+            assert fresh == [True, True, True]  # new objects...
+            assert same_memory  # ...over the same shared memory (no copy)
+            assert got == expected  # bit-exact: donation did not write into the shared bytes
+            assert p.apply(leaf_bytes, (s,)) == expected
+        p.apply(gc.collect)
+        assert wait_until(lambda: arena.in_use() == before, 10)  # every slot released once
+
+
+def mutate_containers(args):
+    tree, again = args
+    assert tree is again  # one object referenced twice in one message stays one object
+    untouched = "b" in tree
+    tree["w"] = 0
+    tree.pop("b", None)
+    tree["layers"].append("extra")
+    tree["layers"][0] = None
+    tree["new"] = 1
+    try:
+        tree["layers"][1][0] = 42.0  # numpy leaves are read-only views
+    except ValueError:
+        numpy_read_only = True
+    else:
+        numpy_read_only = False
+    return untouched, numpy_read_only, sorted(tree)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_changing_a_shared_trees_containers_does_not_reach_later_tasks(placement):
+    params = shared_params()
+    with jt.Pool(1, placement=placement) as p:
+        s = p.share(params)
+        expected = p.apply(leaf_bytes, (s,))
+        if placement == "device":
+            assert expected == leaf_bytes(params)
+        keys = ["keys", "layers", "new", "scale", "w", "weak"]
+        assert p.apply(mutate_containers, ((s, s),)) == (True, True, keys)
+        for _ in range(2):
+            assert p.apply(leaf_bytes, (s,)) == expected
+            assert p.apply(mutate_containers, ((s, s),)) == (True, True, keys)
+        # A chunk of a map is one message: its tasks share one tree, as they would share one
+        # pickled argument in multiprocessing.Pool; each chunk gets its own.
+        assert p.map(mutate_containers, [(s, s)] * 4, chunksize=2) == [(True, True, keys), (False, True, keys)] * 2
+        assert p.apply(leaf_bytes, (s,)) == expected
+        s.release()
+        assert wait_until(lambda: p._state.arena.in_use() == 0, 10)
+
+
+SHARDED_TREE = r"""
+import json
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxtransport as jt
+
+def donate(tree):
+    x = tree["x"]
+    ptrs = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    return x.is_deleted(), ptrs, np.asarray(y).tobytes().hex()
+
+def read(tree):
+    x = tree["x"]
+    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards], np.asarray(x).tobytes().hex(), len(x.sharding.device_set)
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+base = jax.random.normal(jax.random.key(1), (512, 1024), jnp.float32)
+x = jax.device_put(base, NamedSharding(mesh, P("x", "y")))
+report = {}
+for placement in ("device", "preserve"):
+    with jt.Pool(1, placement=placement) as p, p.share({"x": x}) as s:
+        deleted, ptrs1, plus_one = p.apply(donate, (s,))
+        ptrs2, value2, ndev = p.apply(read, (s,))
+        ptrs3, value3, _ = p.apply(read, (s,))
+        report[placement] = dict(deleted=deleted, plus_one=plus_one == np.asarray(base + 1).tobytes().hex(),
+                                 same_memory=ptrs1 == ptrs2 == ptrs3, fresh_ok=value2 == value3 == np.asarray(base).tobytes().hex(),
+                                 ndev=ndev)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sharded_shared_leaf_is_assembled_once_and_donation_stays_in_its_task():
+    """A sharded leaf (8 host devices): "device" assembles it once per worker (later tasks alias
+    the same copy), "preserve" aliases the shards; either way a donating task leaves the next
+    tasks their values."""
+    proc = run_python(SHARDED_TREE, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+                      timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for placement, ndev in (("device", 1), ("preserve", 8)):
+        assert report[placement] == dict(deleted=True, plus_one=True, same_memory=True, fresh_ok=True, ndev=ndev), placement
 
 
 def hold_tree(args):

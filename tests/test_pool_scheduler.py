@@ -12,6 +12,10 @@ class FakeWorker:
     def __init__(self, name, pace=None, alive=True, can_take=True):
         self.name, self.pace, self._alive, self._can_take = name, pace, alive, can_take
         self.outstanding = collections.deque()
+        self.started = -1  # what a worker records in its shared cell (Note [started])
+
+    def started_chunk(self):
+        return self.started
 
     def can_take(self):
         return self._can_take
@@ -103,7 +107,16 @@ def test_a_dead_workers_chunk_counts_as_running_only_once_started():
     assert running is None and [c.chunk_id for c in never] == [0, 1, 2]  # it never began one
     for c in never:
         w.outstanding.append(c)
-    s.started(w, 0)  # the worker announced it
-    s.finished(w, 0)  # ... and finished it: the next one, waiting in its pipe, starts now
+    w.started = 0  # the worker began chunk 0
+    running, never = Scheduler.lost(w)
+    assert running.chunk_id == 0 and [c.chunk_id for c in never] == [1, 2]
+    for c in [running, *never]:
+        w.outstanding.append(c)
+    s.finished(w, 0)  # ... finished it, and died before it began chunk 1: chunk 1 never ran
+    running, never = Scheduler.lost(w)
+    assert running is None and [c.chunk_id for c in never] == [1, 2]
+    for c in never:
+        w.outstanding.append(c)
+    w.started = 1  # ... or after it began chunk 1
     running, never = Scheduler.lost(w)
     assert running.chunk_id == 1 and [c.chunk_id for c in never] == [2]

@@ -13,6 +13,7 @@ import time
 from multiprocessing import reduction as _reduction
 from typing import Any
 
+from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 from ._queues import _check_options, _wait_readable
 
@@ -29,7 +30,7 @@ class Connection:
     """
 
     def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True, *,
-                 shm_threshold: int = 1 << 20, placement: str = "device"):
+                 shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
         _check_options(shm_threshold, placement)
         if not (readable or writable):
             raise ValueError("at least one of readable and writable must be True")
@@ -182,7 +183,7 @@ def _rebuild_connection(df, readable, writable, threshold, placement) -> Connect
                       placement=placement)
 
 
-def Pipe(duplex: bool = True, *, shm_threshold: int = 1 << 20, placement: str = "device"):
+def Pipe(duplex: bool = True, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
     """``(conn1, conn2)`` as ``multiprocessing.Pipe``: both ends send and receive when ``duplex``,
     else ``conn1`` only receives and ``conn2`` only sends. Arrays as in :class:`Queue`."""
     _check_options(shm_threshold, placement)

@@ -30,6 +30,7 @@ from multiprocessing import util as _util
 from typing import Any
 
 from .. import _codec
+from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
@@ -93,7 +94,7 @@ class Queue:
     ``put()``; none in ``get()`` on CPU (a device copy on an accelerator).
     """
 
-    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = 1 << 20, placement: str = "device"):
+    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
         from multiprocessing.synchronize import SEM_VALUE_MAX
 
         _check_options(shm_threshold, placement)
@@ -281,7 +282,7 @@ _SENTINEL = object()
 class JoinableQueue(Queue):
     """``multiprocessing.JoinableQueue`` over :class:`Queue` (``task_done``/``join``)."""
 
-    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = 1 << 20, placement: str = "device"):
+    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
         if ctx is None:
             from ._context import _default
 
@@ -322,7 +323,7 @@ class SimpleQueue:
     """``multiprocessing.SimpleQueue``: ``put`` sends from the caller (no feeder thread; it
     blocks while the socket buffer is full), ``get`` blocks. Arrays as in :class:`Queue`."""
 
-    def __init__(self, *, ctx=None, shm_threshold: int = 1 << 20, placement: str = "device"):
+    def __init__(self, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
         _check_options(shm_threshold, placement)
         self._threshold = shm_threshold
         self._placement = placement

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from .. import _shm
+from .._pickling import PICKLE_PROTOCOL
 from .._errors import ShmCapacityError, ShmHandleError, TransportError
 from .._tracers import find_tracer
 
@@ -367,7 +368,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             owned.append(_bundle(fds[MAX_FDS - 1 :]))
             fds = fds[: MAX_FDS - 1] + owned
         packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled),
-                              protocol=5)
+                              protocol=PICKLE_PROTOCOL)
     except BaseException:
         for h in handles:
             p.drop(h)

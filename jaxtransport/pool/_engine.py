@@ -22,6 +22,8 @@ from typing import Any
 
 from .. import _procenv, _shm
 from . import _protocol, _wire
+from .._pickling import PICKLE_PROTOCOL
+from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
 from ._lifecycle import Lifecycle
 from ._results import CallbackRunner
@@ -30,8 +32,7 @@ from ._trees import TreeBook
 from ._workers import WorkerRec, close_worker, start_worker
 
 MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
-CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
-RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
+SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _atexit_registered = False
@@ -59,7 +60,7 @@ def _dumps_in_band(obj: Any) -> bytes:
     from .._usercode import Pickler
 
     f = io.BytesIO()
-    Pickler(f, protocol=5).dump(obj)
+    Pickler(f, protocol=PICKLE_PROTOCOL).dump(obj)
     return f.getvalue()
 
 
@@ -175,7 +176,7 @@ class Engine:
             self.tls.wait_start = start = now
         if not busy and now - start > CAPACITY_GRACE_S:
             return False
-        cond.wait(0.02)
+        cond.wait(SPACE_POLL_S)
         return True
 
     def function_blob(self, fn):

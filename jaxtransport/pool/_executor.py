@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
 from .._tracers import find_tracer, tracer_error
 from ._facade import Pool
+from ._results import AsyncResult
 
 __all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
 
@@ -194,8 +195,24 @@ class Executor(concurrent.futures.Executor):
             fut.set_exception(exc)
             self._finished()
 
+        def fast(ok, value) -> bool:
+            # On the pool's manager thread: complete a future that has no done-callbacks here
+            # (setting it wakes its waiters, runs no user code); else the callback thread does.
+            # Holding the future's (reentrant) condition, no callback can be added in between.
+            cond = getattr(fut, "_condition", None)
+            if not ok or cond is None:
+                return False
+            with cond:
+                if getattr(fut, "_done_callbacks", True):
+                    return False
+                fut.set_result(value)
+            self._finished()
+            return True
+
+        result = AsyncResult(self._pool, done, failed)
+        result._fast = fast
         try:
-            self._pool.apply_async(call.fn, call.args, call.kwargs, callback=done, error_callback=failed)
+            self._pool._submit_apply(call.fn, call.args, call.kwargs, result)
         except PoolStateError as e:
             if not self._shutdown or self._reusable:
                 self._mark_broken(e)

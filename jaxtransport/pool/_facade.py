@@ -35,7 +35,7 @@ from . import _wire
 from .. import _codec, _procenv, _shm
 from .._errors import PoolStateError
 from .._tracers import find_tracer
-from ._engine import Engine, terminate_unreferenced
+from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
 
@@ -90,7 +90,7 @@ class Pool:
         maxtasksperchild: int | None = None,
         *,
         start_method: str = "spawn",
-        shm_threshold: int = 1 << 20,
+        shm_threshold: int = _shm.DEFAULT_SHM_THRESHOLD,
         placement: str = "device",
         worker_env: dict | None = None,
         shm_capacity: int | None = None,
@@ -162,6 +162,13 @@ class Pool:
         Pickles and copies the arguments' large arrays into shared memory in this thread (may
         wait for memory, see shm_capacity); raises TracerTransportError / pickling errors here.
         """
+        result = AsyncResult(self, callback, error_callback)
+        self._submit_apply(func, args, kwds, result)
+        return result
+
+    def _submit_apply(self, func: Callable, args, kwds, result: AsyncResult) -> None:
+        """Send one call completing ``result`` (``apply_async``; the Executor passes results
+        of its own)."""
         state = self._state
         state.check_running()
         kwds = {} if kwds is None else kwds
@@ -171,9 +178,7 @@ class Pool:
             return _first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
-        result = AsyncResult(self, callback, error_callback)
         state.submit(prep, result, 0)
-        return result
 
     def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None):
         """``apply_async(...).get()``."""
@@ -258,7 +263,8 @@ class Pool:
         """Copy ``tree``'s arrays into shared memory once and return a :class:`SharedTree`.
 
         Cost: one memcpy of the tree's large arrays (``shm_threshold``), whatever the number of
-        tasks and workers; each worker maps it once (no copy on CPU). Raises
+        tasks and workers; each worker maps it once (no copy on CPU), and each task gets its own
+        tree over that memory (new containers and arrays: see :class:`SharedTree`). Raises
         TracerTransportError (path under ``tree``) before taking any memory.
         """
         state = self._state
@@ -340,7 +346,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
         for prep in preps:
             with state.space:
                 while (state.in_flight() + it._unconsumed() >= limit) and not state.flags.stopped:
-                    state.space.wait(0.02)
+                    state.space.wait(SPACE_POLL_S)
             if state.flags.stopped:
                 raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
             state.submit(prep, it, index)

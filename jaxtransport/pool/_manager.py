@@ -21,7 +21,8 @@ import time
 from .. import _shm
 from . import _protocol, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
-from ._engine import MAX_EARLY_DEATHS, RELEASE_FLUSH_S, Engine
+from ._engine import MAX_EARLY_DEATHS, Engine
+from ._protocol import RELEASE_FLUSH_S
 from ._workers import WorkerRec, close_worker, signal_name
 
 
@@ -213,18 +214,13 @@ class Manager:
             "new pool."
         ), cause=exc)
 
-    def on_started(self, w: WorkerRec, msg: _protocol.Started) -> None:
-        with self.engine.lock:
-            self.engine.scheduler.started(w, msg.chunk_id)
-
     def on_leaving(self, w: WorkerRec, msg: _protocol.Leaving) -> None:
         w.retiring = True
 
     def on_garbled(self, w: WorkerRec, msg: _protocol.Garbled) -> None:
         # The worker exits after saying so, before it starts anything sent after the bad
-        # message: its in-flight chunks never started and run elsewhere.
-        for c in w.outstanding:
-            c.started = False
+        # message: its in-flight chunks never started and run elsewhere (a chunk it was running,
+        # if the bad message came while it waited for memory, fails: Note [started]).
         self.retire(w, f"it received a malformed message from the parent ({msg.description})")
 
     HANDLERS = {
@@ -232,7 +228,6 @@ class Manager:
         _protocol.Release: on_release,
         _protocol.Forget: on_forget,
         _protocol.Ready: on_ready,
-        _protocol.Started: on_started,
         _protocol.Leaving: on_leaving,
         _protocol.Garbled: on_garbled,
     }

@@ -14,7 +14,9 @@ parent -> worker                                  worker -> parent
 ``Release``     slots of the worker it dropped    ``Forget``    its segments the parent may unmap
 ``Forget``      segments the worker may unmap     ``Leaving``   it exits (maxtasksperchild)
 ``Stop``        exit now                          ``Garbled``   it received a malformed message
-                                                  ``Started``   it took a task it had waited for
+
+Which task a worker is running is not a message: it writes the chunk id into a shared cell
+before it starts a chunk (Note [started] in ``_worker``), which the parent reads when it dies.
 
 Entries (what a pickle's ``_entry(k)`` stands for) are records too: ``NpEntry``, ``JaxEntry``,
 ``RefEntry`` (a slot of the receiver's own arena) and ``TreeEntry``; a shared-memory handle is
@@ -29,16 +31,20 @@ import pickle
 from typing import Any, NamedTuple
 
 from .._errors import CorruptTransferError, ShmHandleError
+from .._pickling import PICKLE_PROTOCOL
 from .._shm import Handle
 
 __all__ = [
     "Task", "DefineTree", "DropTree", "Release", "Forget", "Stop",
-    "Ready", "Started", "Result", "Leaving", "Garbled", "ErrorReport",
+    "Ready", "Result", "Leaving", "Garbled", "ErrorReport",
     "NpEntry", "JaxEntry", "RefEntry", "TreeEntry",
     "TO_WORKER", "TO_PARENT", "dumps", "loads", "parse_entry", "parse_handles",
+    "RELEASE_FLUSH_S", "CAPACITY_GRACE_S",
 ]
 
-_PROTOCOL = 5
+# Timing both ends of the pipe share.
+RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
+CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
 
 
 def _bad(what: str) -> CorruptTransferError:
@@ -180,6 +186,8 @@ class Task(NamedTuple):
     @classmethod
     def check(cls, m):
         _int(m.chunk_id, "chunk id"), _bytes(m.data, "task pickle"), _seq(m.entries, "entries")
+        if type(m.releases) is list and not m.releases:
+            return m  # the common case: nothing else to check
         return m._replace(releases=parse_handles(m.releases))
 
 
@@ -270,20 +278,6 @@ class Result(NamedTuple):
         return m._replace(releases=parse_handles(m.releases), unheld=_ints(m.unheld, "unheld entries"))
 
 
-class Started(NamedTuple):
-    """The worker began ``chunk_id`` after waiting for it (a task already waiting in the pipe
-    when the previous one finished is known to start with that one's Result): if the worker dies
-    now, that task was running; a task it never announced is run elsewhere."""
-
-    chunk_id: int
-    KIND = "started"
-
-    @classmethod
-    def check(cls, m):
-        _int(m.chunk_id, "chunk id")
-        return m
-
-
 class Leaving(NamedTuple):
     KIND = "leaving"
 
@@ -307,12 +301,12 @@ class Garbled(NamedTuple):
 
 
 TO_WORKER = {c.KIND: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
-TO_PARENT = {c.KIND: c for c in (Ready, Started, Result, Release, Forget, Leaving, Garbled)}
+TO_PARENT = {c.KIND: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
 
 
 def dumps(msg: tuple) -> bytes:
     """The wire form of a message record: ``(kind, *fields)`` pickled."""
-    return pickle.dumps((msg.KIND, *msg), protocol=_PROTOCOL)
+    return pickle.dumps((msg.KIND, *msg), protocol=PICKLE_PROTOCOL)
 
 
 def loads(raw: bytes, table: dict) -> tuple:

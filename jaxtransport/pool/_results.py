@@ -18,12 +18,16 @@ import queue
 import sys
 import threading
 import traceback
+from typing import Callable
 
 from .._errors import PoolStateError
 
 __all__ = ["AsyncResult", "MapResult", "IMapIterator", "CallbackRunner"]
 
-_in_callback = threading.local()  # .active: this thread is a pool's callback thread
+_in_callback = threading.local()
+# Results make their Event only when someone waits before they are done (most tiny tasks are
+# done by then): this lock orders "done" against "an Event was made".
+_EVENTS_LOCK = threading.Lock()  # .active: this thread is a pool's callback thread
 
 
 class CallbackRunner:
@@ -38,6 +42,12 @@ class CallbackRunner:
     def deliver(self, result, index: int, ok: bool, value) -> None:
         if not result._has_callbacks():
             result._chunk_done(index, ok, value)
+            return
+        fast = getattr(result, "_fast", None)  # only on AsyncResult: one call, value[0]
+        if fast is not None and fast(ok, value[0] if ok else value):
+            # Completed by its owner's own code, which runs no user code (the Executor's future
+            # without done-callbacks): no hop through the callback thread.
+            result._set(ok, value[0] if ok else value, run_callbacks=False)
             return
         with self.lock:
             if self.thread is None:
@@ -88,15 +98,19 @@ class AsyncResult:
     """The result of ``apply_async`` (multiprocessing.pool.AsyncResult's API)."""
 
     def __init__(self, keepalive, callback=None, error_callback=None):
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # made by the first wait() before it is done
         self._callback = callback
         self._error_callback = error_callback
         self._keepalive = keepalive  # the Pool, until the result is in (as multiprocessing)
+        # Internal (the Executor): fast(ok, value) -> True when it completed the result's
+        # consumer itself without running user code, so the delivering thread may call it.
+        self._fast: Callable | None = None
         self._ok = None
         self._value = None
 
     def ready(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def successful(self) -> bool:
         if not self.ready():
@@ -107,9 +121,16 @@ class AsyncResult:
         return self._callback is not None or self._error_callback is not None
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._event.is_set():
-            _refuse_wait_in_callback(self)
-        self._event.wait(timeout)
+        if self._done:
+            return
+        _refuse_wait_in_callback(self)
+        with _EVENTS_LOCK:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait(timeout)
 
     def get(self, timeout: float | None = None):
         """The value, or raise the task's exception (its ``__cause__`` is the remote traceback).
@@ -121,15 +142,19 @@ class AsyncResult:
             return self._value
         raise self._value
 
-    def _set(self, ok: bool, value) -> None:
-        if self._event.is_set():
+    def _set(self, ok: bool, value, run_callbacks: bool = True) -> None:
+        if self._done:
             return
         self._ok, self._value = ok, value
-        if ok and self._callback is not None:
+        if run_callbacks and ok and self._callback is not None:
             _call_quietly(self._callback, value)
-        if not ok and self._error_callback is not None:
+        if run_callbacks and not ok and self._error_callback is not None:
             _call_quietly(self._error_callback, value)
-        self._event.set()
+        with _EVENTS_LOCK:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
         self._keepalive = None
 
     def _chunk_done(self, index: int, ok: bool, value) -> None:
@@ -155,7 +180,7 @@ class MapResult(AsyncResult):
 
     def _chunk_done(self, index: int, ok: bool, value) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             if not ok:
                 self._values = None

@@ -33,14 +33,13 @@ class Chunk:
     object it completes and its index there. ``key`` is its borrower name in the arena while
     it waits (its slots move to the worker that runs it)."""
 
-    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "started")
+    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
         self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
         self.key = ("chunk", chunk_id)
         self.trees = enc.trees
         self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
-        self.started = False  # the worker it was sent to began it (see _protocol.Started)
 
 
 class Scheduler:
@@ -79,40 +78,34 @@ class Scheduler:
         if not chunk.small:
             return None
         for w in workers:
+            pace = w.pace
+            if pace is None or pace >= TINY_TASK_S:
+                continue
             n = len(w.outstanding)
-            if w.pace is None or w.pace >= TINY_TASK_S or n >= prefetch_limit(w.pace) or not w.can_take():
+            if (n >= PREFETCH_TINY and n >= prefetch_limit(pace)) or not w.can_take():
                 continue
             if best is None or n < len(best.outstanding):
                 best = w
         return best
 
     @staticmethod
-    def started(w, chunk_id: int) -> None:
-        for c in w.outstanding:
-            if c.chunk_id == chunk_id:
-                c.started = True
-                return
-
-    @staticmethod
     def finished(w, chunk_id: int) -> Chunk | None:
         """Remove and return ``w``'s in-flight chunk ``chunk_id`` (None: not in flight, e.g.
-        already failed by terminate). The next one in flight was waiting in the worker's pipe,
-        so the worker starts it now."""
+        already failed by terminate)."""
         for i, c in enumerate(w.outstanding):
             if c.chunk_id == chunk_id:
                 del w.outstanding[i]
-                if w.outstanding:
-                    w.outstanding[0].started = True
                 return c
         return None
 
     @staticmethod
     def lost(w) -> tuple[Chunk | None, list[Chunk]]:
         """A dead worker's chunks: (the one it was running, if it had started one; the rest,
-        which never started), removed from its books."""
+        which never started), removed from its books. Chunks run in the order sent, and the
+        worker records each one's id before starting it (``w.started_chunk()``)."""
         lost = list(w.outstanding)
         w.outstanding.clear()
-        if lost and lost[0].started:
+        if lost and lost[0].chunk_id == w.started_chunk():
             return lost[0], lost[1:]
         return None, lost
 

@@ -163,3 +163,75 @@ class FrameReader:
         if pos:
             del buf[:pos]
         return frames, eof
+
+
+class BufferedFrames:
+    """The worker's reads of whole frames from its parent, buffered: one ``recv`` takes every
+    small message already in the pipe (``Connection.recv_bytes`` costs two system calls per
+    message), and a large frame is read straight into a buffer of its own size (no extra copy).
+
+    ``next(timeout)``: the next frame, or None when no byte of one arrives within ``timeout``
+    seconds (None: wait). Once a frame has begun it is read to its end, as ``recv_bytes`` does.
+    Raises EOFError when the parent's end is closed. A negative length yields ``b""`` (not a
+    frame: the caller reports a corrupt message)."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, fd: int):
+        import select
+
+        self.sock = socket.socket(fileno=os.dup(fd))
+        self.sock.setblocking(True)
+        self.buf = bytearray()
+        self.poller = select.poll()
+        self.poller.register(self.sock.fileno(), select.POLLIN)
+
+    def _recv(self) -> None:
+        data = self.sock.recv(self.CHUNK)
+        if not data:
+            raise EOFError("the parent closed the pipe")
+        self.buf += data
+
+    def next(self, timeout: float | None) -> bytes | None:
+        buf = self.buf
+        while True:
+            if len(buf) >= 4:
+                (n,) = _HEADER.unpack_from(buf, 0)
+                head = 4
+                if n == -1:
+                    if len(buf) < 12:
+                        self._recv()
+                        continue
+                    (n,) = _HEADER_LONG.unpack_from(buf, 4)
+                    head = 12
+                elif n < 0:
+                    buf.clear()
+                    return b""
+                if len(buf) >= head + n:
+                    out = bytes(buf[head : head + n])
+                    del buf[: head + n]
+                    return out
+                if head + n - len(buf) > self.CHUNK:
+                    return self._read_large(head, n)
+                self._recv()
+                continue
+            if not buf and timeout is not None and not self.poller.poll(max(0, int(timeout * 1000))):
+                return None
+            self._recv()
+
+    def _read_large(self, head: int, n: int) -> bytearray:
+        out = bytearray(n)
+        have = len(self.buf) - head
+        out[:have] = self.buf[head:]
+        self.buf.clear()
+        view = memoryview(out)[have:]
+        while view:
+            k = self.sock.recv_into(view)
+            if not k:
+                raise EOFError("the parent closed the pipe mid-message")
+            view = view[k:]
+        view.release()
+        return out
+
+    def close(self) -> None:
+        self.sock.close()

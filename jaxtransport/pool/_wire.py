@@ -16,6 +16,7 @@ Entries travel as plain tuples ``(kind, *fields)`` and are read back as the reco
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import sys
@@ -26,14 +27,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
+from .._pickling import PICKLE_PROTOCOL
 from . import _protocol
 from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
 
-__all__ = ["prepare", "commit", "encode", "decode", "Encoded", "Prepared"]
-
-_PICKLE_PROTOCOL = 5
-
+__all__ = ["prepare", "commit", "encode", "decode", "Held", "Encoded", "Prepared"]
 
 class Encoded:
     """A pickled object plus its shared-memory entries. ``handles`` lists the arena slots it
@@ -82,7 +81,7 @@ class _Router:
 def _route_np(obj):
     r = _encoding.router
     if obj.nbytes < r.threshold or obj.nbytes == 0 or obj.dtype.hasobject:
-        return obj.__reduce_ex__(_PICKLE_PROTOCOL)
+        return obj.__reduce_ex__(PICKLE_PROTOCOL)
     return r.add("np", obj)
 
 
@@ -130,7 +129,7 @@ class _Encoder(_usercode.Pickler):
     exact ints, floats, strs, bytes, lists, tuples, dicts and sets)."""
 
     def __init__(self, file, router: _Router):
-        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
         self.route = _routes(router.tree_type)
 
     def reducer_override(self, obj):
@@ -249,7 +248,7 @@ def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     path names it) or something it cannot pickle by reference (``_ResultEncoder`` then sends
     ``__main__`` code by value and refuses the rest, as multiprocessing does)."""
     buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(router.tree_type)
     try:
         p.dump(obj)
@@ -409,20 +408,38 @@ def materialize(
     readonly: bool = False,
 ) -> Any:
     """One parsed entry as the object it stands for, aliasing ``holder`` (no copy on CPU)."""
+    return _materialize(entry, holder, placement, trees, readonly, again=False)
+
+
+def materializer(
+    entry: tuple,
+    holder: Any,
+    placement: str,
+    trees: Callable[[int], Any] | None = None,
+    readonly: bool = False,
+) -> Callable[[], Any]:
+    """A function returning, at each call, what ``materialize`` returns: a new object over the
+    same memory each time. What does not change between calls (validation, views, a jax.Array's
+    abstract value) is done once, here, which raises for a bad entry."""
+    return _materialize(entry, holder, placement, trees, readonly, again=True)
+
+
+def _materialize(entry, holder, placement, trees, readonly, again: bool):
     if type(entry) is _protocol.TreeEntry:
         if trees is None:
             raise CorruptTransferError("Corrupt message: a SharedTree reference where none can be")
-        return trees(entry.tree_id)
+        return functools.partial(trees, entry.tree_id) if again else trees(entry.tree_id)
     if type(entry) is _protocol.RefEntry:
         if entry.sub == "np":
-            return _build("np", entry.info, holder, entry.handle, placement, True)
-        return _build("jax", (entry.info, ((0, entry.handle.nbytes),)), holder, entry.handle, placement, True)
+            return _build("np", entry.info, holder, entry.handle, placement, True, again)
+        return _build("jax", (entry.info, ((0, entry.handle.nbytes),)), holder, entry.handle, placement, True, again)
     if type(entry) is _protocol.NpEntry:
-        return _build("np", (entry.dtype, entry.shape), holder, entry.handle, placement, readonly)
-    return _build("jax", (entry.meta, entry.layout), holder, entry.handle, placement, True)
+        return _build("np", (entry.dtype, entry.shape), holder, entry.handle, placement, readonly, again)
+    return _build("jax", (entry.meta, entry.layout), holder, entry.handle, placement, True, again)
 
 
-def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool) -> Any:
+def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool, again: bool = False) -> Any:
+    """The object (``again``: a function returning a new one at each call)."""
     raw = np.frombuffer(holder, np.uint8, count=handle[2])
     if readonly:
         raw.flags.writeable = False
@@ -438,7 +455,8 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
                 f"Bad shared-memory handle {handle!r}: a {dtype} array of shape {shape} needs "
                 f"{count * dtype.itemsize} bytes but the handle covers {handle[2]} (truncated)."
             )
-        return raw.view(dtype).reshape(shape)
+        out = raw.view(dtype).reshape(shape)
+        return out.view if again else out
     meta, layout = info
     bufs = []
     for off, n in layout:
@@ -448,28 +466,74 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
     from .. import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
 
     try:
-        return _codec.decode(meta, bufs, placement)
+        if not again:
+            return _codec.decode(meta, bufs, placement)
+        return functools.partial(_decode_again, _codec.decoder(meta, bufs, placement), handle)
     except Exception as e:
         if isinstance(e, _codec.CorruptTransferError):
             raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
         raise
 
 
-def decode(
-    data: bytes,
-    entries: list,
-    mapper: Mapper,
-    placement: str,
-    own: Callable | None = None,
-    trees: Callable | None = None,
-    readonly: bool = False,
-    unheld: list | None = None,
-) -> Any:
-    """Rebuild what ``encode`` made. Every entry is parsed and its holder created first
-    (validating every handle), so a bad entry fails the whole object and the good slots are
-    released with their holders. On failure the indices of entries whose slot this process never
-    held (the sender still counts them) are appended to ``unheld``; nothing refers to a holder
-    after the call, so the slots go back without waiting for the cyclic garbage collector."""
+def _decode_again(decode: Callable[[], Any], handle: tuple) -> Any:
+    from .. import _codec
+
+    try:
+        return decode()
+    except Exception as e:
+        if isinstance(e, _codec.CorruptTransferError):
+            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: {e}") from None
+        raise
+
+
+class Held:
+    """A received message with its entries parsed, their slots held (one holder per entry,
+    every handle validated) and everything that does not change between decodings done once
+    (``materializer``): ``rebuild()`` returns the object as if freshly received, each time.
+
+    Each call unpickles new containers over new numpy views and new ``jax.Array`` objects over
+    the same held memory: no copy of the bytes on CPU (an accelerator gets a host-to-device copy
+    per call, as for any received array). So deleting one (``donate_argnums``) or changing its
+    containers cannot reach another. The slots are released once this ``Held`` and every object
+    built over it are gone. Cost per call: one ``device_put`` per jax.Array entry, one view per
+    numpy entry, and unpickling the rest.
+
+    Raises ShmHandleError / CorruptTransferError for a bad entry (nothing held then).
+    """
+
+    __slots__ = ("data", "holders", "makers", "placement")
+
+    def __init__(self, data: bytes, entries: list, mapper: Mapper, placement: str, *, readonly: bool = False,
+                 own: Callable | None = None, trees: Callable | None = None):
+        parsed, holders = _hold(entries, mapper, own, None)
+        try:
+            makers = [materializer(rec, holder, placement, trees, readonly) for rec, holder in zip(parsed, holders)]
+        except BaseException:
+            holders.clear()
+            makers = None
+            raise
+        self.data, self.holders, self.makers, self.placement = data, holders, makers, placement
+
+    def rebuild(self) -> Any:
+        resolved: list = []
+        token = _pickling._placement_override.set(self.placement)  # arrays inside the pickle
+        outer = getattr(_decoding, "resolved", None)
+        try:
+            for make in self.makers:
+                resolved.append(make())
+            _decoding.resolved = resolved
+            return pickle.loads(self.data)
+        finally:
+            _decoding.resolved = outer
+            _pickling._placement_override.reset(token)
+            resolved.clear()  # the result refers to what it needs
+
+
+def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | None) -> tuple[list, list]:
+    """Every entry parsed and its holder created (validating every handle), so a bad entry fails
+    the whole object and the good slots are released with their holders. On failure the indices
+    of entries whose slot this process never held (the sender still counts them) are appended to
+    ``unheld``."""
     parsed: list = []
     holders: list = []
     try:
@@ -492,19 +556,47 @@ def decode(
         holders.clear()
         holder = None  # noqa: F841 - the traceback keeps this frame: hold no slot in it
         raise
+    return parsed, holders
+
+
+def _rebuild(data: bytes, parsed: list, holders: list, placement: str, trees: Callable | None,
+             readonly: bool) -> Any:
+    """Fresh objects over the held entries; unpickles ``data`` with them. Nothing here refers
+    to a holder after the call (a traceback must not hold slots)."""
     resolved = []
     token = _pickling._placement_override.set(placement)
     outer = getattr(_decoding, "resolved", None)
     try:
         for rec, holder in zip(parsed, holders):
             resolved.append(materialize(rec, holder, placement, trees, readonly))
-        holders.clear()
         _decoding.resolved = resolved
         return pickle.loads(data)
     finally:
         _decoding.resolved = outer
         _pickling._placement_override.reset(token)
-        resolved.clear()  # the result refers to what it needs; a traceback must not hold slots
+        resolved.clear()  # the result refers to what it needs
+        rec = holder = None  # noqa: F841
+
+
+def decode(
+    data: bytes,
+    entries: list,
+    mapper: Mapper,
+    placement: str,
+    own: Callable | None = None,
+    trees: Callable | None = None,
+    readonly: bool = False,
+    unheld: list | None = None,
+) -> Any:
+    """Rebuild what ``encode`` made (once: ``Held`` rebuilds any number of times). Every entry
+    is parsed and its holder created first (validating every handle), so a bad entry fails the
+    whole object and the good slots are released with their holders. On failure the indices of
+    entries whose slot this process never held (the sender still counts them) are appended to
+    ``unheld``; nothing refers to a holder after the call, so the slots go back without waiting
+    for the cyclic garbage collector."""
+    parsed, holders = _hold(entries, mapper, own, unheld)
+    try:
+        return _rebuild(data, parsed, holders, placement, trees, readonly)
+    finally:
         holders.clear()
         parsed.clear()
-        rec = holder = None  # noqa: F841

@@ -16,27 +16,11 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
 
-_RELEASE_FLUSH_S = 0.05
-_CAPACITY_GRACE_S = 5.0
-
-
-def _apply_env(env: dict) -> None:
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-    if "jax" in sys.modules and "JAX_PLATFORMS" in env:
-        # jax read JAX_PLATFORMS at import (a forkserver may have imported it): tell its config.
-        try:
-            sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"] or None)
-        except Exception:
-            pass
+from .. import _procenv
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -66,14 +50,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxtransport-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, fdsock, config: bytes) -> None:
-    """Entry point of a pool worker (a spawn/forkserver ``Process`` target)."""
+def worker_main(conn, fdsock, config: bytes, cell) -> None:
+    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: a shared
+    int64 where it records the chunk it starts (Note [started])."""
     cfg = pickle.loads(config)
-    _apply_env(cfg["env"])
+    _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
     global CURRENT
-    CURRENT = _Worker(conn, fdsock, cfg)
+    CURRENT = _Worker(conn, fdsock, cfg, cell)
     CURRENT.run()
 
 
@@ -81,7 +66,7 @@ CURRENT = None  # the running worker (for introspection and tests)
 
 
 class _Worker:
-    def __init__(self, conn, fdsock, cfg):
+    def __init__(self, conn, fdsock, cfg, cell=None):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
         from .. import _shm
@@ -92,6 +77,11 @@ class _Worker:
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
+        from ._senders import BufferedFrames
+
+        # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
+        # system calls per message: tens of microseconds per task on the tiny-task path).
+        self.frames = BufferedFrames(conn.fileno())
         self.placement = cfg["placement"]
         self.threshold = cfg["threshold"]
         self.arena = _shm.Arena(cfg["capacity"], label=f"pool worker {os.getpid()}")
@@ -103,10 +93,10 @@ class _Worker:
                 self.arena.reserve_error = e
         self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
-        self.trees: dict[int, tuple] = {}  # id -> (data, entries)
-        self.tree_cache: dict[int, object] = {}
+        self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
+        self.held_trees: dict[int, object] = {}  # id -> _wire.Held: its slots held, mapped once
         self.backlog: list = []
-        self.implied: int | None = None  # the task the parent marks started on our last Result
+        self.cell = cell
         self.parent_gone = False
         self._wait_start: float | None = None
 
@@ -148,12 +138,12 @@ class _Worker:
         (a task whose chunk id is readable fails alone; anything else: ``Garbled``)."""
         P = self.protocol
         while True:
-            if timeout is not None and not self.conn.poll(timeout):
-                return None
             try:
-                raw = self.conn.recv_bytes()
+                raw = self.frames.next(timeout)
             except (EOFError, OSError):
                 raise SystemExit(0) from None
+            if raw is None:
+                return None
             try:
                 return P.loads(raw, P.TO_WORKER)
             except P.CorruptTransferError as e:
@@ -187,7 +177,7 @@ class _Worker:
             self.trees[msg.tree_id] = (msg.data, msg.entries)
         elif kind is P.DropTree:
             self.trees.pop(msg.tree_id, None)
-            self.tree_cache.pop(msg.tree_id, None)
+            self.held_trees.pop(msg.tree_id, None)
         elif kind is P.Forget:
             self.mapper.forget(msg.seg_ids)
         else:
@@ -200,12 +190,12 @@ class _Worker:
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
-        if now - self._wait_start > self.cfg.get("grace", _CAPACITY_GRACE_S):
+        if now - self._wait_start > self.cfg.get("grace", self.protocol.CAPACITY_GRACE_S):
             return False
         cond.release()
         try:
             self.flush_releases()
-            msg = self.recv(0.05)
+            msg = self.recv(self.protocol.RELEASE_FLUSH_S)
             if msg is not None and not self.handle_control(msg):
                 self.backlog.append(msg)
             return True
@@ -213,21 +203,34 @@ class _Worker:
             cond.acquire()
 
     def tree(self, tree_id: int):
-        try:
-            return self.tree_cache[tree_id]
-        except KeyError:
-            pass
-        if tree_id not in self.trees:
-            from .._errors import ShmHandleError
+        """Shared tree ``tree_id`` as if freshly received (Note [a shared tree per task])."""
+        held = self.held_trees.get(tree_id)
+        if held is None:
+            if tree_id not in self.trees:
+                from .._errors import ShmHandleError
 
-            raise ShmHandleError(
-                f"SharedTree {tree_id} is not defined in this worker (it was released before the "
-                "task ran?). Keep a SharedTree alive and unreleased while tasks using it run."
-            )
-        data, entries = self.trees[tree_id]
-        value = self.wire.decode(data, entries, self.mapper, self.placement, readonly=True)
-        self.tree_cache[tree_id] = value
-        return value
+                raise ShmHandleError(
+                    f"SharedTree {tree_id} is not defined in this worker (it was released before the "
+                    "task ran?). Keep a SharedTree alive and unreleased while tasks using it run."
+                )
+            data, entries = self.trees[tree_id]
+            held = self.held_trees[tree_id] = self.wire.Held(data, entries, self.mapper, self.placement, readonly=True)
+        return held.rebuild()
+
+    # Note [a shared tree per task]
+    # A SharedTree's slots are held (and their segments mapped) once per worker, in a
+    # ``_wire.Held``; every message that refers to the tree rebuilds it from there: new
+    # containers, new numpy views, new jax.Arrays, over the same memory (no copy on CPU). So a
+    # task that donates a leaf (jit donate_argnums deletes the jax.Array it was given) or
+    # changes the tree's dicts and lists leaves every other task's tree as it was: each sees what
+    # a freshly received argument would be. Within one message (a chunk of tasks) the tree is
+    # one object wherever it appears, as pickle makes of one object referenced twice. Leaves
+    # stay read-only: numpy views are not writeable, and XLA:CPU does not reuse a donated
+    # buffer it does not own (one that aliases host memory), so donation cannot write into the
+    # shared bytes (checked on jax 0.4.30, 0.10.2 and 0.12; tests/test_pool_memory.py checks
+    # both). What does not change is done once in ``Held`` (mapping, validation, each leaf's
+    # abstract value); a message costs one device_put per jax.Array leaf (``SharedTree``'s
+    # docstring gives the figure).
 
     # -- the loop
     def run(self) -> None:
@@ -247,7 +250,7 @@ class _Worker:
                 msg = self.backlog.pop(0)
             else:
                 busy = self.mapper.pending or self.arena.has_forgotten()
-                msg = self.recv(_RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
+                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -256,10 +259,16 @@ class _Worker:
             if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
-            if msg.chunk_id != self.implied:
-                # The parent cannot infer that this one started (Note [started]): announce it.
-                self.send(self.protocol.Started(msg.chunk_id))
-            self.implied = None
+            # Note [started]
+            # ~~~~~~~~~~~~~~
+            # When a worker dies, the parent must tell the chunk it was running (it fails with
+            # WorkerLostError) from the chunks queued behind it (they never ran: they run on the
+            # replacement). Chunks run in the order sent, so the id of the chunk started last
+            # decides: we store it in a cell of shared memory before starting the chunk, and the
+            # parent reads it once the process is gone and every Result it sent has been read.
+            # A plain store: no message, no wakeup of the parent per task.
+            if self.cell is not None:
+                self.cell.value = msg.chunk_id
             self.run_chunk(msg)
             done += 1
             if maxtasks and done >= maxtasks:
@@ -309,18 +318,7 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
-        # Note [started]: on this Result the parent marks the first task it had already sent us
-        # as started. Those are exactly the tasks readable now (a task sent later reaches the
-        # pipe after it): take them into the backlog, so that the next task announces itself
-        # (Started) unless it was one of them.
-        P = self.protocol
-        while True:
-            pending = self.recv(0)
-            if pending is None:
-                break
-            self.backlog.append(pending)
-        self.implied = next((m.chunk_id for m in self.backlog if type(m) is P.Task), None)
-        self.send(P.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
@@ -341,8 +339,10 @@ class _Worker:
 
 
 def _picklable(obj) -> bool:
+    from .._pickling import PICKLE_PROTOCOL
+
     try:
-        pickle.dumps(obj, protocol=5)
+        pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
         return True
     except Exception:  # noqa: BLE001
         return False

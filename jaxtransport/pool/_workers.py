@@ -23,10 +23,10 @@ class WorkerRec:
     __slots__ = (
         "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sock", "sentinel", "mapper",
         "sender", "reader", "outstanding", "sent_segs", "trees", "ready", "retiring", "dead",
-        "stop_sent", "sent", "pace", "fault", "maxtasks",
+        "stop_sent", "sent", "pace", "fault", "maxtasks", "cell",
     )
 
-    def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None):
+    def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None, cell):
         self.index, self.serial = index, serial
         self.key = ("worker", serial)  # its borrower name in the parent's arena
         self.proc, self.pid, self.conn, self.fdsock = proc, proc.pid, conn, fdsock
@@ -45,6 +45,12 @@ class WorkerRec:
         self.pace: float | None = None  # moving average of its seconds per chunk
         self.fault: str | None = None  # why the parent retired it (a corrupt message)
         self.maxtasks = maxtasks
+        self.cell = cell  # shared: the chunk id the worker started last (Note [started], _worker)
+
+    def started_chunk(self) -> int:
+        """The id of the chunk the worker started last (-1: none yet). Read after it died, it
+        tells whether its first in-flight chunk was running or never started."""
+        return self.cell.value
 
     def can_take(self) -> bool:
         if self.dead or self.retiring or self.stop_sent or self.fault is not None:
@@ -70,7 +76,8 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     cfg = pickle.dumps(dict(config, env=env))
     conn, child_conn = ctx.Pipe(duplex=True)
     fdsock, child_sock = _shm.fd_socketpair()
-    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg), daemon=True,
+    cell = ctx.RawValue("q", -1)  # multiprocessing's heap: an unlinked file, gone with its users
+    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, cell), daemon=True,
                        name=f"jaxtransport-pool-worker-{index}")
     try:
         if start_method == "spawn":
@@ -87,7 +94,7 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     finally:
         child_conn.close()
         child_sock.close()
-    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks)
+    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cell)
 
 
 def close_worker(w: WorkerRec) -> None:

@@ -22,15 +22,11 @@ import time
 from typing import Any, Sequence
 
 from . import _worker as worker
-from .._procenv import environ_overlay
+from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 
 BACKENDS = ("pool", "ray", "queue")
 TRANSPORTS = ("jaxtransport", "stock")
 
-# What every worker process gets, whichever backend and transport: JAX on the host CPU unless
-# told otherwise, and no GPU memory grab (N workers sharing a GPU must not each preallocate 75%
-# of it).
-_WORKER_ENV_DEFAULTS = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # One XLA compute thread per worker when the workers fill the machine's cores: otherwise every
 # worker's thread pool spans all cores and they slow each other down (the reason Ray sets
 # OMP_NUM_THREADS=1 for its tasks).
@@ -39,8 +35,9 @@ _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1
 
 def worker_env(workers: int) -> dict[str, str]:
     """Environment variables for the workers of a run with ``workers`` workers (the same for
-    the stock and the jaxtransport transports)."""
-    env = dict(_WORKER_ENV_DEFAULTS)
+    the stock and the jaxtransport transports): no GPU memory grab unless this process's
+    environment says otherwise, and its ``JAX_PLATFORMS`` and ``XLA_FLAGS``."""
+    env = dict(NO_PREALLOCATION)
     for name in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS"):
         if name in os.environ:
             env[name] = os.environ[name]
@@ -60,7 +57,7 @@ def _warm_up(env: dict[str, str], warm: tuple | None) -> None:
     """Pool initializer: set the worker environment (before this process first uses JAX), then
     compile the rollout for this run's shapes, so every worker pays compilation while the pool
     starts, not inside a timed iteration."""
-    os.environ.update(env)
+    apply_environ(env)
     if warm is not None:
         worker.warm_up(*warm)
 

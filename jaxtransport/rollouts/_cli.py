@@ -131,7 +131,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
 
     print(
         f"# {label}: {cfg.workers} workers x {cfg.envs} envs x {cfg.steps} "
-        f"steps, {cfg.frame_size}x{cfg.frame_size} frames, policy {param_bytes / 2**20:.1f} MiB",
+        f"steps, {cfg.frame_size}x{cfg.frame_size} frames, policy {param_bytes / report.MiB:.1f} MiB",
         file=out, flush=True,
     )
     print(f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
