@@ -26,7 +26,10 @@ Threads and what they own:
 - one sender thread per worker: the only thread that may block writing to that worker (a busy,
   slow or SIGSTOPped worker stalls only its own sender); ``Sender.post`` writes directly when
   the pipe has room and nothing is queued, else queues.
-- the callback thread: completes results that have callbacks and runs those callbacks.
+- the callback thread: completes results that have callbacks and runs those callbacks (an
+  Executor future without done-callbacks is completed by the manager: setting it runs no user
+  code). A worker records the chunk it starts in a shared cell, read when it dies (Note
+  [started] in ``_worker``): no message per task for that.
 - the imap feeder: submits imap chunks while fewer than ``2 * processes + 2`` are in flight or
   finished and unconsumed.
 

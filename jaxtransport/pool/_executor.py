@@ -8,8 +8,10 @@ Flow: ``submit`` hands a call to the pool at once (pickling and copying large ar
 caller's thread, so a Tracer or an unpicklable argument raises there) while fewer than
 ``2 * max_workers`` calls are in flight; beyond that the call waits in the executor's queue as a
 *pending* future, which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A
-*dispatcher* thread (started on first need) moves pending calls to the pool as calls finish; the
-pool's callback thread only completes futures and wakes the dispatcher, never pickles or waits.
+*dispatcher* thread (started on first need) moves pending calls to the pool as calls finish. A
+future that succeeded and has no done-callbacks is completed by the pool's manager thread
+itself (setting it only wakes its waiters: no user code, no hop); any other is completed by the
+pool's callback thread, which also runs the done-callbacks. Neither pickles or waits.
 Lock order: the executor's ``_lock`` is a leaf (nothing else is taken while holding it).
 """
 
