@@ -26,6 +26,20 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def popen_interruptible(args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` whose child starts with SIGINT at its default (Python's
+    KeyboardInterrupt). A test run started in the background by a non-interactive shell
+    (``cmd &``) has SIGINT ignored, and an ignored signal stays ignored across exec, so a
+    Ctrl-C test could not interrupt its child otherwise. Call from the main thread."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def child_pids(parent: int | None = None) -> set[int]:
     """Live (non-zombie-reaped) children of ``parent`` read from /proc."""
     parent = os.getpid() if parent is None else parent

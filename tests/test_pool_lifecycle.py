@@ -22,7 +22,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport._errors import PoolTerminatedError, WorkerLostError
 
-from .conftest import ROOT, child_pids, shm_entries, wait_until
+from .conftest import ROOT, child_pids, popen_interruptible, shm_entries, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,8 +180,8 @@ def _script_workers(proc, timeout=60):
 
 def _spawn_script(code: str):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
 
 
 def _pool_like(entries):

@@ -505,11 +505,11 @@ def test_ctrl_c_stops_the_demo_and_its_workers():
     import signal
     import time
 
-    from .conftest import child_pids, wait_until
+    from .conftest import child_pids, popen_interruptible, wait_until
 
     environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     args = [a if a != "2" else "500" for a in TINY]  # --iterations 500: still running
-    proc = subprocess.Popen(
+    proc = popen_interruptible(
         [sys.executable, "-m", "jaxtransport.rollouts", *args],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
