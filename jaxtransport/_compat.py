@@ -196,28 +196,26 @@ def _make_fast_put() -> tuple[Callable[[np.ndarray, bool], Any], Callable[[np.nd
         from jax._src.api_util import shaped_abstractify
     shardings: dict = {}
 
-    def put(x: np.ndarray, weak_type: bool):
-        device = get_device()
+    def aval_of(x: np.ndarray, weak_type: bool):
+        aval = shaped_abstractify(x)
+        return aval.update(weak_type=True) if weak_type else aval
+
+    def put_aval(aval, x: np.ndarray):
+        device = get_device()  # each time: the default device is configurable
         sharding = shardings.get(device)
         if sharding is None:
             sharding = shardings[device] = SingleDeviceSharding(device)
-        aval = shaped_abstractify(x)
-        if weak_type:
-            aval = aval.update(weak_type=True)
         return batched_device_put(aval, sharding, [x], [device], committed=False)
 
+    def put(x: np.ndarray, weak_type: bool):
+        return put_aval(aval_of(x, weak_type), x)
+
     def putter(x: np.ndarray, weak_type: bool):
-        aval = shaped_abstractify(x)
-        if weak_type:
-            aval = aval.update(weak_type=True)
+        aval = aval_of(x, weak_type)
 
         def put_again():
             try:
-                device = get_device()  # each time: the default device is configurable
-                sharding = shardings.get(device)
-                if sharding is None:
-                    sharding = shardings[device] = SingleDeviceSharding(device)
-                return batched_device_put(aval, sharding, [x], [device], committed=False)
+                return put_aval(aval, x)
             except Exception:  # pragma: no cover - as put_on_default_device: jax's own path
                 return _slow_put(x, weak_type)
 
@@ -296,10 +294,16 @@ def _probe_fast_put() -> Any:
 
 def fast_put_available() -> tuple[bool, str]:
     """(whether this JAX gets the fast host->device path, why not when it does not)."""
+    return _fast_put() is not False, _fast_put_failure
+
+
+def _fast_put() -> Any:
+    """The (put, putter) pair of ``_make_fast_put``, or False when this JAX does not get it
+    (probed once)."""
     global _FAST_PUT
     if _FAST_PUT is None:
         _FAST_PUT = _probe_fast_put()
-    return _FAST_PUT is not False, _fast_put_failure
+    return _FAST_PUT
 
 
 def put_on_default_device(x: np.ndarray, weak_type: bool = False) -> Any:
@@ -307,10 +311,7 @@ def put_on_default_device(x: np.ndarray, weak_type: bool = False) -> Any:
 
     On CPU the result aliases ``x`` when it is 64-byte aligned (no copy), as ``device_put`` does.
     """
-    global _FAST_PUT
-    fast = _FAST_PUT
-    if fast is None:
-        fast = _FAST_PUT = _probe_fast_put()
+    fast = _fast_put()
     if fast is not False and x.dtype != _FLOAT0:
         try:
             return fast[0](x, weak_type)
@@ -323,10 +324,7 @@ def putter_on_default_device(x: np.ndarray, weak_type: bool = False) -> Callable
     """A function that returns ``put_on_default_device(x, weak_type)`` at each call: a new
     jax.Array each time (on CPU over ``x`` itself, no copy), for putting the same host array
     many times. The fast path computes the abstract value once (about half of the cost)."""
-    global _FAST_PUT
-    fast = _FAST_PUT
-    if fast is None:
-        fast = _FAST_PUT = _probe_fast_put()
+    fast = _fast_put()
     if fast is not False and x.dtype != _FLOAT0:
         try:
             return fast[1](x, weak_type)

@@ -44,11 +44,13 @@ class CallbackRunner:
             result._chunk_done(index, ok, value)
             return
         fast = getattr(result, "_fast", None)  # only on AsyncResult: one call, value[0]
-        if fast is not None and fast(ok, value[0] if ok else value):
-            # Completed by its owner's own code, which runs no user code (the Executor's future
-            # without done-callbacks): no hop through the callback thread.
-            result._set(ok, value[0] if ok else value, run_callbacks=False)
-            return
+        if fast is not None:
+            one = value[0] if ok else value
+            if fast(ok, one):
+                # Completed by its owner's own code, which runs no user code (the Executor's
+                # future without done-callbacks): no hop through the callback thread.
+                result._set(ok, one, run_callbacks=False)
+                return
         with self.lock:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="jaxtransport-pool-callbacks", daemon=True)

@@ -26,6 +26,20 @@ _HEADER_LONG = struct.Struct("!Q")
 _RECV = 1 << 20
 
 
+def _header(buf, pos: int) -> tuple[int, int] | None:
+    """(header length, payload length) of the frame starting at ``buf[pos]``: None while its
+    header is incomplete; a payload length of -1 when it is not a frame (a negative length
+    other than the long-frame mark)."""
+    if len(buf) - pos < 4:
+        return None
+    (n,) = _HEADER.unpack_from(buf, pos)
+    if n == -1:
+        if len(buf) - pos < 12:
+            return None
+        return 12, _HEADER_LONG.unpack_from(buf, pos + 4)[0]
+    return 4, (n if n >= 0 else -1)
+
+
 def frame(payload: bytes) -> bytes:
     n = len(payload)
     if n > 0x7FFFFFFF:
@@ -144,15 +158,12 @@ class FrameReader:
                 break
         frames = []
         buf, pos, end = self.buf, 0, len(self.buf)
-        while end - pos >= 4:
-            (n,) = _HEADER.unpack_from(buf, pos)
-            head = 4
-            if n == -1:
-                if end - pos < 12:
-                    break
-                (n,) = _HEADER_LONG.unpack_from(buf, pos + 4)
-                head = 12
-            elif n < 0:
+        while True:
+            header = _header(buf, pos)
+            if header is None:
+                break
+            head, n = header
+            if n < 0:
                 frames.append(b"")  # not a frame: the caller reports a corrupt message
                 pos = end
                 break
@@ -195,16 +206,10 @@ class BufferedFrames:
     def next(self, timeout: float | None) -> bytes | None:
         buf = self.buf
         while True:
-            if len(buf) >= 4:
-                (n,) = _HEADER.unpack_from(buf, 0)
-                head = 4
-                if n == -1:
-                    if len(buf) < 12:
-                        self._recv()
-                        continue
-                    (n,) = _HEADER_LONG.unpack_from(buf, 4)
-                    head = 12
-                elif n < 0:
+            header = _header(buf, 0)
+            if header is not None:
+                head, n = header
+                if n < 0:
                     buf.clear()
                     return b""
                 if len(buf) >= head + n:

@@ -515,18 +515,7 @@ class Held:
         self.data, self.holders, self.makers, self.placement = data, holders, makers, placement
 
     def rebuild(self) -> Any:
-        resolved: list = []
-        token = _pickling._placement_override.set(self.placement)  # arrays inside the pickle
-        outer = getattr(_decoding, "resolved", None)
-        try:
-            for make in self.makers:
-                resolved.append(make())
-            _decoding.resolved = resolved
-            return pickle.loads(self.data)
-        finally:
-            _decoding.resolved = outer
-            _pickling._placement_override.reset(token)
-            resolved.clear()  # the result refers to what it needs
+        return _unpickle(self.data, self.placement, (make() for make in self.makers))
 
 
 def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | None) -> tuple[list, list]:
@@ -559,23 +548,21 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
     return parsed, holders
 
 
-def _rebuild(data: bytes, parsed: list, holders: list, placement: str, trees: Callable | None,
-             readonly: bool) -> Any:
-    """Fresh objects over the held entries; unpickles ``data`` with them. Nothing here refers
-    to a holder after the call (a traceback must not hold slots)."""
-    resolved = []
+def _unpickle(data: bytes, placement: str, objects) -> Any:
+    """Unpickle ``data``, its ``_entry(k)`` standing for the k-th of ``objects`` (an iterable
+    making each entry's object, consumed here, under ``placement`` as are arrays inside the
+    pickle). Nothing here refers to an entry after the call (a traceback must not hold slots)."""
+    resolved: list = []
     token = _pickling._placement_override.set(placement)
     outer = getattr(_decoding, "resolved", None)
     try:
-        for rec, holder in zip(parsed, holders):
-            resolved.append(materialize(rec, holder, placement, trees, readonly))
+        resolved.extend(objects)
         _decoding.resolved = resolved
         return pickle.loads(data)
     finally:
         _decoding.resolved = outer
         _pickling._placement_override.reset(token)
         resolved.clear()  # the result refers to what it needs
-        rec = holder = None  # noqa: F841
 
 
 def decode(
@@ -596,7 +583,8 @@ def decode(
     for the cyclic garbage collector."""
     parsed, holders = _hold(entries, mapper, own, unheld)
     try:
-        return _rebuild(data, parsed, holders, placement, trees, readonly)
+        return _unpickle(data, placement, (materialize(rec, holder, placement, trees, readonly)
+                                           for rec, holder in zip(parsed, holders)))
     finally:
         holders.clear()
         parsed.clear()
