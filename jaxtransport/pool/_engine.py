@@ -202,16 +202,46 @@ class Engine:
             self.scheduler.add(chunk)
             self.dispatch()
 
+    def submit_plain(self, preps: list, result) -> None:
+        """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
+        one dispatch, so each worker gets its share of them in one write."""
+        chunks = []
+        for index, prep in enumerate(preps):
+            chunk_id = next(self.chunk_ids)
+            enc = _wire.commit(prep, arena=None, borrower=("chunk", chunk_id))
+            chunks.append(Chunk(chunk_id, result, index, enc))
+        with self.lock:
+            if self.flags.stopped:
+                raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
+            for chunk in chunks:
+                self.scheduler.add(chunk)
+            self.dispatch()
+
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to workers that may take them and post them."""
+        # Tasks that need no segment or tree first go to a worker in one write (a map's chunks:
+        # one send and one wakeup of the worker instead of one per chunk); order per worker kept.
+        batches: dict = {}
         for w, chunk in self.scheduler.assign(self.workers):
             w.sent += 1
             self.arena.transfer(chunk.enc.handles, chunk.key, w.key)
-            if chunk.trees:
-                self.trees.define_in(w, chunk.trees)
-            segs = self.new_segments(w, chunk.enc.segs)
             enc = chunk.enc
-            w.post(_protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases(64))), segs)
+            if chunk.trees or enc.segs:
+                batch = batches.pop(w, None)
+                if batch:
+                    w.post(batch)
+                if chunk.trees:
+                    self.trees.define_in(w, chunk.trees)
+                segs = self.new_segments(w, enc.segs)
+            else:
+                segs = None
+            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases(64)))
+            if segs:
+                w.post(task, segs)
+            else:
+                batches.setdefault(w, []).append(task)
+        for w, batch in batches.items():
+            w.post(batch)
         if self.flags.closed:
             self.maybe_stop()
 

@@ -187,7 +187,8 @@ class Pool:
     def _map_async(self, func, iterable, chunksize, mode, callback, error_callback) -> MapResult:
         state = self._state
         state.check_running()
-        items = list(iterable)
+        # Sliced below (each slice a copy); other iterables are read once, here.
+        items = iterable if type(iterable) in (list, tuple, range) else list(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:
@@ -203,6 +204,13 @@ class Pool:
             part = items[start : start + chunksize]
             preps.append(state.prepare_chunk(blob, mode, part, _locator(func, part, start)))
         result = MapResult(self, len(items), chunksize, callback, error_callback)
+        if not any(prep.found or prep.trees for prep in preps):
+            try:
+                state.submit_plain(preps, result)
+            except BaseException as e:
+                result._chunk_done(0, False, e)
+                raise
+            return result
         for i, prep in enumerate(preps):
             try:
                 state.submit(prep, result, i)

@@ -59,10 +59,11 @@ class Sender:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def post(self, payload: bytes, segments=()) -> None:
-        """Send ``payload`` after passing ``segments`` ((seg_id, size, fd) each; the fd is
-        duplicated here, so the arena may close its own at any time)."""
-        data = frame(payload)
+    def post(self, payload: bytes | list, segments=()) -> None:
+        """Send ``payload`` (one message, or a list of messages sent in one write) after
+        passing ``segments`` ((seg_id, size, fd) each; the fd is duplicated here, so the arena
+        may close its own at any time)."""
+        data = b"".join(map(frame, payload)) if isinstance(payload, list) else frame(payload)
         fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments]
         with self.cond:
             if self.closed:

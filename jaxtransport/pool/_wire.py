@@ -162,28 +162,29 @@ def _refuse_fast(obj):
     raise _Fallback
 
 
-_TABLE: dict = {}
-_TABLE_KEY = None
+_TABLES: dict = {}  # tree_type -> (key, table)
 
 
 def _fast_table(tree_type: type | None) -> dict:
     """copyreg's table + the routes + refusing entries for Tracers (the cloudpickle path then
-    names them). Rebuilt only when copyreg's table changes size."""
-    global _TABLE, _TABLE_KEY
+    names them). One per ``tree_type`` (a function is pickled without, a chunk with), rebuilt
+    only when copyreg's table changes size or JAX gets imported."""
     import copyreg
 
     jax_loaded = "jax" in sys.modules
-    key = (len(copyreg.dispatch_table), tree_type, jax_loaded)
-    if key != _TABLE_KEY:
-        table = dict(copyreg.dispatch_table)
-        if jax_loaded:  # no Tracer exists before JAX is imported
-            from .._tracers import tracer_types
+    key = (len(copyreg.dispatch_table), jax_loaded)
+    cached = _TABLES.get(tree_type)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    table = dict(copyreg.dispatch_table)
+    if jax_loaded:  # no Tracer exists before JAX is imported
+        from .._tracers import tracer_types
 
-            for t in tracer_types():
-                table[t] = _refuse_fast
-        table.update(_routes(tree_type))
-        _TABLE, _TABLE_KEY = table, key
-    return _TABLE
+        for t in tracer_types():
+            table[t] = _refuse_fast
+    table.update(_routes(tree_type))
+    _TABLES[tree_type] = (key, table)
+    return table
 
 
 def _fast_pickle(obj: Any, router: _Router) -> bytes | None:

@@ -64,7 +64,7 @@ class WorkerRec:
         except (OSError, ValueError):
             return False
 
-    def post(self, msg_bytes: bytes, segments=()) -> None:
+    def post(self, msg_bytes: bytes | list, segments=()) -> None:
         self.sender.post(msg_bytes, segments)
 
 
