@@ -19,7 +19,9 @@ The parts, one concern per module (the public API and what it adds are in ``_fac
 
 Threads and what they own:
 - caller threads: pickle and copy arguments into the parent's ``_shm.Arena`` (may wait for
-  memory), then queue the chunk and dispatch it, under the engine's lock.
+  memory), then queue the chunk and dispatch it, under the engine's lock. A map's chunks that
+  need no shared memory are queued together; dispatch sends each worker its tasks that need
+  no segment or tree in one write (one wakeup of the worker, not one per chunk).
 - the manager thread: reads every worker's pipe without blocking, watches process sentinels,
   decodes results, replaces dead workers, passes on releases every ``RELEASE_FLUSH_S``. It never
   writes to a pipe and never runs user code, so no worker and no callback can stall it.
