@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from types import SimpleNamespace
 
-from jaxtransport.pool._scheduler import SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler, prefetch_limit
+from jaxtransport.pool._scheduler import QUICK_S, SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler, prefetch_limit
 
 
 class FakeWorker:
@@ -58,17 +58,32 @@ def test_tiny_tasks_are_prefetched_only_when_no_worker_is_idle():
     assert len(s.pending) == 9
 
 
-def test_large_or_shared_memory_chunks_are_never_prefetched():
+def test_large_or_shared_memory_chunks_wait_only_one_deep_behind_a_quick_chunk():
     s = Scheduler()
     w = FakeWorker("w", pace=TINY_TASK_S / 10)
     s.add(chunk(0))
     s.add(chunk(1, nbytes=SMALL_MESSAGE))
     s.add(chunk(2, shm=True))
-    assert names(s.assign([w])) == [("w", 0)]
+    assert names(s.assign([w])) == [("w", 0), ("w", 1)]  # one behind the running one, no more
     s.finished(w, 0)
-    assert names(s.assign([w])) == [("w", 1)]
-    s.finished(w, 1)
     assert names(s.assign([w])) == [("w", 2)]
+    s.finished(w, 1)
+    assert not s.pending and [c.chunk_id for c in w.outstanding] == [2]
+
+
+def test_nothing_waits_behind_a_chunk_running_for_long_or_on_a_slow_worker():
+    s = Scheduler()
+    busy, slow = FakeWorker("busy", pace=TINY_TASK_S / 10), FakeWorker("slow", pace=QUICK_S * 2)
+    s.add(chunk(0, shm=True))
+    s.add(chunk(1, shm=True))
+    assert names(s.assign([busy, slow])) == [("busy", 0), ("slow", 1)]
+    busy.outstanding[0].began -= QUICK_S  # it has run for QUICK_S: a long task, or a stopped worker
+    for i in (2, 3):
+        s.add(chunk(i, shm=True))
+        s.add(chunk(i + 10))  # small, but neither worker's chunks are tiny now
+    assert names(s.assign([busy, slow])) == [] and len(s.pending) == 4
+    s.finished(slow, 1)
+    assert names(s.assign([busy, slow])) == [("slow", 2)]  # idle again: it pulls one
 
 
 def test_dead_or_retiring_workers_get_nothing():

@@ -1,24 +1,37 @@
 """Which chunk runs where: pending chunks and each worker's in-flight ones, pull-based.
 
 A chunk goes to a worker only when that worker is idle (nothing in flight), so no chunk waits
-behind a long task while another worker could run it. The one exception keeps tiny tasks fast:
-a worker whose chunks take less than ``TINY_TASK_S`` (as it reports) may have about
-``PREFETCH_S`` of them (``prefetch_limit``) in flight as small messages (no shared memory, under ``SMALL_MESSAGE``), and only
-when no worker is idle; queueing a few tiny tasks behind one another costs little, and the pipe
-latency no longer idles the worker. No processes here: the scheduler works on any objects with
-``outstanding`` (a deque), ``pace`` (seconds per chunk or None), ``can_take()`` and ``alive()``,
-which is how it is unit-tested.
+behind a long task while another worker could run it. Two exceptions, both only when no worker
+is idle, keep quick tasks fast (the round trip of a result and the next task no longer idles
+the worker; multiprocessing's shared queue gets the same from a worker's next task already
+being in the pipe):
+
+- tiny: a worker whose chunks take less than ``TINY_TASK_S`` (as it reports) may have about
+  ``PREFETCH_S`` of them (``prefetch_limit``) in flight as small messages (no shared memory,
+  under ``SMALL_MESSAGE``);
+- quick: any chunk may wait as the one chunk behind a worker's running chunk when that worker's
+  chunks take less than ``QUICK_S``.
+
+Both only while the running chunk began less than ``QUICK_S`` ago: never behind a long or
+stopped task once it has shown itself as one.
+
+A chunk queued behind another can still wait behind a task that turns out long or a worker
+that stops just then: nothing tells a slow process from a stopped one early. No processes
+here: the scheduler works on any objects with ``outstanding`` (a deque), ``pace`` (seconds per
+chunk or None), ``can_take()`` and ``alive()``, which is how it is unit-tested.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Iterable
 
 PREFETCH_TINY = 8
 PREFETCH_MAX = 256
 PREFETCH_S = 0.002  # queue about this much tiny work per worker: more than a message round trip
 TINY_TASK_S = 0.001
+QUICK_S = 0.005  # pace and age under which one chunk may wait behind a running one
 SMALL_MESSAGE = 64 << 10
 
 
@@ -33,13 +46,14 @@ class Chunk:
     object it completes and its index there. ``key`` is its borrower name in the arena while
     it waits (its slots move to the worker that runs it)."""
 
-    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small")
+    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "began")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
         self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
         self.key = ("chunk", chunk_id)
         self.trees = enc.trees
         self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
+        self.began = 0.0  # when it was sent, or when the one before it finished (monotonic)
 
 
 class Scheduler:
@@ -60,41 +74,49 @@ class Scheduler:
         """Move pending chunks to workers by the rule above; returns (worker, chunk) pairs to
         send, each chunk already appended to its worker's ``outstanding``."""
         out = []
+        now = time.monotonic()
         while self.pending:
-            w = self._pick(workers, self.pending[0])
+            w = self._pick(workers, self.pending[0], now)
             if w is None:
                 break
             chunk = self.pending.popleft()
+            chunk.began = now
             w.outstanding.append(chunk)
             out.append((w, chunk))
         return out
 
     @staticmethod
-    def _pick(workers: list, chunk: Chunk):
+    def _pick(workers: list, chunk: Chunk, now: float):
         best = None
         for w in workers:
             if not w.outstanding and w.can_take() and w.alive():
                 return w
-        if not chunk.small:
-            return None
-        for w in workers:
-            pace = w.pace
-            if pace is None or pace >= TINY_TASK_S:
-                continue
-            n = len(w.outstanding)
-            if (n >= PREFETCH_TINY and n >= prefetch_limit(pace)) or not w.can_take():
-                continue
-            if best is None or n < len(best.outstanding):
-                best = w
-        return best
+        # Behind a running chunk only on a worker of quick chunks whose running one is young.
+        ready = [w for w in workers if w.outstanding and w.pace is not None and w.pace < QUICK_S
+                 and now - w.outstanding[0].began < QUICK_S and w.can_take()]
+        if chunk.small:
+            for w in ready:
+                n = len(w.outstanding)
+                if w.pace >= TINY_TASK_S or (n >= PREFETCH_TINY and n >= prefetch_limit(w.pace)):
+                    continue
+                if best is None or n < len(best.outstanding):
+                    best = w
+            if best is not None:
+                return best
+        for w in ready:
+            if len(w.outstanding) == 1:
+                return w
+        return None
 
     @staticmethod
     def finished(w, chunk_id: int) -> Chunk | None:
         """Remove and return ``w``'s in-flight chunk ``chunk_id`` (None: not in flight, e.g.
-        already failed by terminate)."""
+        already failed by terminate); the next one in flight begins now."""
         for i, c in enumerate(w.outstanding):
             if c.chunk_id == chunk_id:
                 del w.outstanding[i]
+                if i == 0 and w.outstanding:
+                    w.outstanding[0].began = time.monotonic()
                 return c
         return None
 

@@ -40,11 +40,37 @@ def _header(buf, pos: int) -> tuple[int, int] | None:
     return 4, (n if n >= 0 else -1)
 
 
-def frame(payload: bytes) -> bytes:
-    n = len(payload)
-    if n > 0x7FFFFFFF:
-        return _HEADER.pack(-1) + _HEADER_LONG.pack(n) + payload
-    return _HEADER.pack(n) + payload
+def _head(n: int) -> bytes:
+    return _HEADER.pack(-1) + _HEADER_LONG.pack(n) if n > 0x7FFFFFFF else _HEADER.pack(n)
+
+
+_JOIN_BELOW = 64 << 10  # messages smaller than this in all are joined into one buffer
+_IOV = 512  # buffers per sendmsg (the system's limit is IOV_MAX, 1024 on Linux)
+
+
+def _pieces(payloads: list) -> list:
+    """Frames as buffers to write in order: each header, then its payload as it is (a large
+    payload is not copied into a frame; ``sendmsg`` gathers them)."""
+    out = []
+    for p in payloads:
+        out.append(_head(len(p)))
+        out.append(p)
+    if sum(map(len, out)) < _JOIN_BELOW:
+        return [b"".join(out)]
+    return out
+
+
+def _send_some(sock: socket.socket, pieces: list, flags: int = 0) -> list:
+    """One ``sendmsg`` of ``pieces``: what is left of them (empty when all went)."""
+    n = sock.sendmsg(pieces[:_IOV], (), flags)
+    i = 0
+    while i < len(pieces) and n >= len(pieces[i]):
+        n -= len(pieces[i])
+        i += 1
+    rest = pieces[i:]
+    if n:
+        rest[0] = memoryview(rest[0])[n:]
+    return rest
 
 
 class Sender:
@@ -63,7 +89,7 @@ class Sender:
         """Send ``payload`` (one message, or a list of messages sent in one write) after
         passing ``segments`` ((seg_id, size, fd) each; the fd is duplicated here, so the arena
         may close its own at any time)."""
-        data = b"".join(map(frame, payload)) if isinstance(payload, list) else frame(payload)
+        pieces = _pieces(payload if isinstance(payload, list) else [payload])
         fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments]
         with self.cond:
             if self.closed:
@@ -71,16 +97,15 @@ class Sender:
                 return
             if not fds and not self.queue and not self.writing:
                 try:
-                    n = self.sock.send(data, socket.MSG_DONTWAIT)
+                    pieces = _send_some(self.sock, pieces, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
-                    n = 0
+                    pass
                 except OSError:
                     self._close_locked()  # the worker is gone: the manager sees its sentinel
                     return
-                if n == len(data):
+                if not pieces:
                     return
-                data = memoryview(data)[n:]
-            self.queue.append((data, fds))
+            self.queue.append((pieces, fds))
             self.cond.notify()
 
     def backlog(self) -> int:
@@ -93,12 +118,16 @@ class Sender:
                     self.cond.wait()
                 if self.closed:
                     return
-                data, fds = self.queue.popleft()
+                pieces, fds = self.queue.popleft()
                 self.writing = True
             try:
                 for seg_id, size, fd in fds:
                     _shm.send_segment(self.fdsock, seg_id, size, fd)
-                self.sock.sendall(data)
+                while pieces:
+                    try:
+                        pieces = _send_some(self.sock, pieces)
+                    except InterruptedError:
+                        continue
             except OSError:
                 with self.cond:
                     self._close_locked()
@@ -106,11 +135,11 @@ class Sender:
                 _close_fds(fds)
                 with self.cond:
                     self.writing = False
-            del data, fds
+            del pieces, fds
 
     def _close_locked(self) -> None:
         self.closed = True
-        for _data, fds in self.queue:
+        for _pieces_left, fds in self.queue:
             _close_fds(fds)
         self.queue.clear()
         self.cond.notify_all()

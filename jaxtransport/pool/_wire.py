@@ -196,7 +196,7 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
     if getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
         return None
     data = _pickle_by_reference(obj, router)
-    if data is None or b"__main__" in data or b"__mp_main__" in data:
+    if data is None or b"_main__" in data:  # "__main__" or "__mp_main__": one scan of the bytes
         return None
     return data
 
