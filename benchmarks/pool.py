@@ -270,7 +270,7 @@ def array_sum(x):
     return float(x.sum())
 
 
-def bench_beside_long(rows, quick_tasks=20, long_s=3.0, reps=3):
+def bench_beside_long(rows, quick_tasks=20, long_s=1.0, reps=7):
     """Quick tasks (300 KB numpy argument, through the pipe) submitted right after one long task
     on a 2-worker pool: seconds until all quick ones are done (issue 10, item 1)."""
     import numpy as np

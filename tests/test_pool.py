@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.pool
 import os
+import pickle
 import time
 
 import jax
@@ -485,3 +486,15 @@ if __name__ == "__main__":
     out = run_python(code, env={"JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok" in out.stdout
+
+
+def test_main_module_references_are_found_in_any_pickle():
+    """The check that sends code referring to ``__main__`` by value (fast path: led by memchr)."""
+    from jaxtransport.pool._wire import _mentions_main
+
+    assert _mentions_main(b"xx__main__yy") and _mentions_main(b"\x8c\x0b__mp_main__\x94")
+    assert not _mentions_main(b"") and not _mentions_main(b"_main_") and not _mentions_main(b"__mai__n")
+    assert _mentions_main(b"_" * 1000 + b"__main__")  # past the memchr-led loop's budget
+    assert not _mentions_main(b"_" * 1000) and not _mentions_main(b"_a" * 100 + b"main__")
+    assert not _mentions_main(pickle.dumps(np.ones(1000), 5))
+    assert _mentions_main(pickle.dumps(np.ones(1000), 5) + b"__main__")

@@ -110,6 +110,8 @@ BAD_FROM_WORKER = {
     "release-not-a-list": pickle.dumps(("release", 5)),
     "release-bad-handle": pickle.dumps(("release", [("a", "b")])),
     "result-wrong-arity": pickle.dumps(("result", 1, True)),
+    # Note [bulk bytes after the pickle]: more bytes said to follow than the frame holds
+    "result-trailer-too-long": pickle.dumps(("result", 1, True, 10**9, [], [], [], 0.1)),
 }
 
 
@@ -130,6 +132,8 @@ BAD_TO_WORKER = {
     "release-not-a-list": pickle.dumps(("release", 5)),
     "task-bad-fields": pickle.dumps(("task", 10**9, "not bytes", [], [])),
     "drop-tree-bad-id": pickle.dumps(("drop-tree", "x")),
+    "task-trailer-too-long": pickle.dumps(("task", 10**9, 10**9, [], [])),
+    "task-trailer-negative": pickle.dumps(("task", 10**9, -1, [], [])),
 }
 
 

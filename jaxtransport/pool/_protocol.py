@@ -304,8 +304,26 @@ TO_WORKER = {c.KIND: c for c in (Task, DefineTree, DropTree, Release, Forget, St
 TO_PARENT = {c.KIND: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
 
 
-def dumps(msg: tuple) -> bytes:
-    """The wire form of a message record: ``(kind, *fields)`` pickled."""
+# Note [bulk bytes after the pickle]
+# A task's, result's or tree's ``data`` (itself a pickle, up to the shared-memory threshold)
+# of at least TRAIL_MIN bytes is not pickled into its message: the message pickles its length
+# in that field and the bytes follow the pickle in the same frame (``pickle.loads`` ignores
+# what follows a pickle). The sender writes the two buffers with one gathering write and the
+# receiver reads ``data`` as a view of the frame, so a 300 KB task is not copied into and out
+# of a second pickle on each side. ``loads`` checks the length against the frame.
+TRAIL_MIN = 64 << 10
+
+
+class Pieces(tuple):
+    """One message as buffers to write in order, as one frame: its pickle, then its bulk bytes."""
+
+
+def dumps(msg: tuple) -> bytes | Pieces:
+    """The wire form of a message record: ``(kind, *fields)`` pickled (Note [bulk bytes after
+    the pickle] for a large ``data``)."""
+    data = getattr(msg, "data", None)
+    if type(data) is bytes and len(data) >= TRAIL_MIN:
+        return Pieces((pickle.dumps((msg.KIND, *msg._replace(data=len(data))), protocol=PICKLE_PROTOCOL), data))
     return pickle.dumps((msg.KIND, *msg), protocol=PICKLE_PROTOCOL)
 
 
@@ -325,7 +343,13 @@ def loads(raw: bytes, table: dict) -> tuple:
         raise _bad(f"unknown kind {msg[0]!r} (expected one of {sorted(table)})")
     if len(msg) - 1 != len(cls._fields):
         raise _bad(f"{msg[0]!r} needs {len(cls._fields)} fields, got {len(msg) - 1}")
+    rec = cls._make(msg[1:])
+    if type(getattr(rec, "data", None)) is int:  # the bytes that end the frame
+        n = rec.data
+        if not 0 <= n <= len(raw):
+            raise _bad(f"{msg[0]!r} says {n} bytes follow its pickle in a frame of {len(raw)}")
+        rec = rec._replace(data=memoryview(raw)[len(raw) - n :])
     try:
-        return cls.check(cls._make(msg[1:]))
+        return cls.check(rec)
     except ShmHandleError as e:
         raise _bad(str(e)) from None

@@ -50,19 +50,23 @@ _IOV = 512  # buffers per sendmsg (the system's limit is IOV_MAX, 1024 on Linux)
 
 def _pieces(payloads: list) -> list:
     """Frames as buffers to write in order: each header, then its payload as it is (a large
-    payload is not copied into a frame; ``sendmsg`` gathers them)."""
+    payload is not copied into a frame; ``sendmsg`` gathers them). A payload may itself be
+    buffers (``_protocol.Pieces``): one frame."""
     out = []
     for p in payloads:
-        out.append(_head(len(p)))
-        out.append(p)
+        if isinstance(p, tuple):
+            out.append(_head(sum(map(len, p))))
+            out.extend(p)
+        else:
+            out.append(_head(len(p)))
+            out.append(p)
     if sum(map(len, out)) < _JOIN_BELOW:
         return [b"".join(out)]
     return out
 
 
-def _send_some(sock: socket.socket, pieces: list, flags: int = 0) -> list:
-    """One ``sendmsg`` of ``pieces``: what is left of them (empty when all went)."""
-    n = sock.sendmsg(pieces[:_IOV], (), flags)
+def _advance(pieces: list, n: int) -> list:
+    """What is left of ``pieces`` once their first ``n`` bytes are written."""
     i = 0
     while i < len(pieces) and n >= len(pieces[i]):
         n -= len(pieces[i])
@@ -71,6 +75,22 @@ def _send_some(sock: socket.socket, pieces: list, flags: int = 0) -> list:
     if n:
         rest[0] = memoryview(rest[0])[n:]
     return rest
+
+
+def _send_some(sock: socket.socket, pieces: list, flags: int = 0) -> list:
+    """One ``sendmsg`` of ``pieces``: what is left of them (empty when all went)."""
+    return _advance(pieces, sock.sendmsg(pieces[:_IOV], (), flags))
+
+
+def write_frame(fd: int, payload) -> None:
+    """Write one frame (a payload, or its buffers) to the blocking ``fd`` with gathering
+    writes (the worker's results: no copy of a large payload into the frame)."""
+    pieces = _pieces([payload])
+    while pieces:
+        try:
+            pieces = _advance(pieces, os.writev(fd, pieces[:_IOV]))
+        except InterruptedError:
+            continue
 
 
 class Sender:

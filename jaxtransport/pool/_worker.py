@@ -77,7 +77,9 @@ class _Worker:
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
-        from ._senders import BufferedFrames
+        from ._senders import BufferedFrames, write_frame
+
+        self.write_frame = write_frame
 
         # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
         # system calls per message: tens of microseconds per task on the tiny-task path).
@@ -103,7 +105,7 @@ class _Worker:
     # -- sending
     def send(self, msg) -> None:
         try:
-            self.conn.send_bytes(self.protocol.dumps(msg))
+            self.write_frame(self.conn.fileno(), self.protocol.dumps(msg))
         except (OSError, EOFError):
             self.parent_gone = True
             raise SystemExit(0) from None
