@@ -193,14 +193,7 @@ class Engine:
         chunk_id = next(self.chunk_ids)
         self.tls.wait_start = None
         enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
-        chunk = Chunk(chunk_id, result, index, enc)
-        with self.lock:
-            if self.flags.stopped:
-                self.arena.release_all(chunk.key)
-                raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
-            self.trees.use(prep.trees)
-            self.scheduler.add(chunk)
-            self.dispatch()
+        self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def submit_plain(self, preps: list, result) -> None:
         """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
@@ -210,10 +203,18 @@ class Engine:
             chunk_id = next(self.chunk_ids)
             enc = _wire.commit(prep, arena=None, borrower=("chunk", chunk_id))
             chunks.append(Chunk(chunk_id, result, index, enc))
+        self._enqueue(chunks)
+
+    def _enqueue(self, chunks: list) -> None:
+        """Queue committed chunks and dispatch them (their slots are released if the pool
+        stopped meanwhile)."""
         with self.lock:
             if self.flags.stopped:
+                for chunk in chunks:
+                    self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
             for chunk in chunks:
+                self.trees.use(chunk.trees)
                 self.scheduler.add(chunk)
             self.dispatch()
 

@@ -86,11 +86,8 @@ def write_frame(fd: int, payload) -> None:
     """Write one frame (a payload, or its buffers) to the blocking ``fd`` with gathering
     writes (the worker's results: no copy of a large payload into the frame)."""
     pieces = _pieces([payload])
-    while pieces:
-        try:
-            pieces = _advance(pieces, os.writev(fd, pieces[:_IOV]))
-        except InterruptedError:
-            continue
+    while pieces:  # EINTR is retried by Python itself (PEP 475)
+        pieces = _advance(pieces, os.writev(fd, pieces[:_IOV]))
 
 
 class Sender:
@@ -143,11 +140,8 @@ class Sender:
             try:
                 for seg_id, size, fd in fds:
                     _shm.send_segment(self.fdsock, seg_id, size, fd)
-                while pieces:
-                    try:
-                        pieces = _send_some(self.sock, pieces)
-                    except InterruptedError:
-                        continue
+                while pieces:  # EINTR is retried by Python itself (PEP 475)
+                    pieces = _send_some(self.sock, pieces)
             except OSError:
                 with self.cond:
                     self._close_locked()
