@@ -23,6 +23,7 @@ __all__ = [
     "ShmCapacityError",
     "ShmHandleError",
     "RemoteTraceback",
+    "LockOrderError",
 ]
 
 
@@ -189,6 +190,15 @@ class ShmHandleError(TransportError, ValueError):
     """A shared-memory handle that cannot be honoured arrived: it names a segment this process
     never received or that was freed, or it points outside its segment (truncated or out of
     bounds). Only the task that carried it fails."""
+
+
+class LockOrderError(RuntimeError):
+    """A debug check (``JAXTRANSPORT_CHECK_LOCKS=raise``, see ``jaxtransport._lockorder``) saw a
+    thread take two of jaxtransport's locks against their written order: two threads doing
+    that at once deadlock. A bug in jaxtransport; the message names both locks and the stack."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
 
 
 def _mp_remote_traceback() -> type:

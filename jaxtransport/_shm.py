@@ -44,6 +44,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 import numpy as np
 
+from . import _lockorder
 from ._errors import ShmCapacityError, ShmHandleError
 
 __all__ = [
@@ -406,7 +407,7 @@ class Arena:
     def __init__(self, capacity: int | None = None, label: str = "this process"):
         self.capacity = int(capacity) if capacity else default_capacity()
         self.label = label
-        self.cond = threading.Condition(threading.Lock())
+        self.cond = _lockorder.condition("Arena.cond")
         self._segs: dict[int, _Seg] = {}
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._free: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
@@ -420,6 +421,7 @@ class Arena:
         self._pending = 0  # bytes of reservations being made (reserve()), counted in capacity
         self._pending_cls: collections.Counter = collections.Counter()
         self.reserve_error: BaseException | None = None
+        self._frees = 0  # slots freed so far (a waiting alloc sees a release it did not wait for)
 
     # -- inspection
     def segment(self, seg_id: int) -> _Seg | None:
@@ -592,11 +594,23 @@ class Arena:
         self._forgotten.append(seg.seg_id)
         _close_quietly(seg)
 
-    def alloc(self, nbytes: int, borrower: Hashable, wait: Callable[[Any], bool] | None = None):
+    def alloc(self, nbytes: int, borrower: Hashable, wait: Callable[[], Any] | None = None):
         """A slot of at least ``nbytes``: returns ``(handle, writable uint8 ndarray of nbytes)``.
 
         Costs nothing but bookkeeping when a free slot of the class exists; else one new
         segment (fresh pages) within the cap; else waits (see class docstring).
+
+        ``wait()`` is the caller's wait hook, asked each time no slot can be had: None or False
+        to give up (ShmCapacityError), True to look again at once (the hook waited itself), or
+        seconds to wait for a release before looking again.
+
+        Note [no call out under Arena.cond]
+        The hook runs with ``cond`` released: it belongs to another component (the pool
+        engine's takes the engine's lock; a worker's reads its pipe), and calling it with
+        ``cond`` held made the order ``Arena.cond -> Engine.lock`` while dispatch takes
+        ``Engine.lock -> Arena.cond``: three threads submitting at the memory cap deadlocked.
+        Nothing outside this class is called with ``cond`` held; a release that lands while
+        the hook runs is seen through ``_frees`` (no wait then).
         """
         cls = size_class(nbytes)
         seg_size = cls * max(1, SLAB // cls)
@@ -628,8 +642,19 @@ class Arena:
                     continue
                 if seg_size > self.capacity:
                     raise self._capacity_error(nbytes, seg_size, impossible=True)
-                if wait is None or not wait(self.cond):
+                if wait is None:
                     raise self._capacity_error(nbytes, seg_size)
+                # Note [no call out under Arena.cond]: the hook runs with the lock released.
+                frees = self._frees
+                self.cond.release()
+                try:
+                    pause = wait()
+                finally:
+                    self.cond.acquire()
+                if pause is None or pause is False:
+                    raise self._capacity_error(nbytes, seg_size)
+                if pause is not True and pause > 0 and self._frees == frees and not self._deferred:
+                    self.cond.wait(pause)
             seg = self._segs[key[0]]
             seg.free_count -= 1
             slot = self._slots[key]
@@ -670,6 +695,7 @@ class Arena:
         seg = self._segs[handle[0]]
         seg.free_count += 1
         self._free[seg.cls].append((handle[0], handle[1]))
+        self._frees += 1
         self.cond.notify_all()
 
     def release(self, handle: Handle, borrower: Hashable, count: int = 1) -> bool:

@@ -15,6 +15,11 @@ import time
 
 import pytest
 
+# The debug lock-order checker (jaxtransport/_lockorder.py) on for the whole suite, before any
+# jaxtransport lock exists; child interpreters and pool workers inherit it. A test during which
+# a thread takes two of the package's locks against their written order fails (no_leaks).
+os.environ.setdefault("JAXTRANSPORT_CHECK_LOCKS", "1")
+
 SHM = "/dev/shm"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +92,13 @@ def no_leaks(request):
     before_shm = shm_entries()
     check_children = request.node.get_closest_marker("ray") is None
     before_children = child_pids() if check_children else set()
+    from jaxtransport import _lockorder
+
+    _lockorder.clear()
     yield
+    inversions = _lockorder.violations()
+    _lockorder.clear()
+    assert not inversions, "lock-order inversion during the test:\n" + "\n".join(inversions)
     # Give finalizers and exiting children a moment, then insist.
     import gc
 

@@ -179,12 +179,8 @@ class Producer:
         start = time.monotonic()
         state = {"progress": start, "frees": self.frees}
 
-        def wait(cond) -> bool:
-            cond.release()
-            try:
-                self.reap(None, dead_too=True)
-            finally:
-                cond.acquire()
+        def wait():  # called with no lock held (Arena.alloc)
+            self.reap(None, dead_too=True)
             now = time.monotonic()
             if self.frees != state["frees"]:
                 state["frees"], state["progress"] = self.frees, now
@@ -194,8 +190,7 @@ class Producer:
                     return False
             elif now - state["progress"] > _CAPACITY_GRACE_S:
                 return False
-            cond.wait(0.01)
-            return True
+            return 0.01  # alloc waits this long for a release of its own, then asks again
 
         return wait
 

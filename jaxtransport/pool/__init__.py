@@ -17,14 +17,16 @@ The parts, one concern per module (the public API and what it adds are in ``_fac
                                     (_workers), frees trees (_trees)
   callbacks  <--- callback thread (_results.CallbackRunner), for results with callbacks
 
-Threads and what they own:
-- caller threads: pickle and copy arguments into the parent's ``_shm.Arena`` (may wait for
-  memory), then queue the chunk and dispatch it, under the engine's lock. A map's chunks that
-  need no shared memory are queued together; dispatch sends each worker its tasks that need
-  no segment or tree in one write (one wakeup of the worker, not one per chunk).
+Threads and what they own (parent process unless said):
+- caller threads (any number, also a web handler's or an asyncio loop's executor): pickle and
+  copy arguments into the parent's ``_shm.Arena`` (may wait for memory: the arena's wait hook
+  runs with no lock held), then queue the chunk and dispatch it, under the engine's lock. A
+  map's chunks that need no shared memory are queued together; dispatch sends each worker its
+  tasks that need no segment or tree in one write (one wakeup of the worker, not one per chunk).
 - the manager thread: reads every worker's pipe without blocking, watches process sentinels,
-  decodes results, replaces dead workers, passes on releases every ``RELEASE_FLUSH_S``. It never
-  writes to a pipe and never runs user code, so no worker and no callback can stall it.
+  decodes results, replaces dead workers, takes unstarted chunks back from a stalled worker
+  (Note [taking back a chunk] in ``_worker``), passes on releases every ``RELEASE_FLUSH_S``.
+  It never writes to a pipe and never runs user code, so no worker and no callback can stall it.
 - one sender thread per worker: the only thread that may block writing to that worker (a busy,
   slow or SIGSTOPped worker stalls only its own sender); ``Sender.post`` writes directly when
   the pipe has room and nothing is queued, else queues.
@@ -32,15 +34,39 @@ Threads and what they own:
   Executor future without done-callbacks is completed by the manager: setting it runs no user
   code). A worker records the chunk it starts in a shared cell, read when it dies (Note
   [started] in ``_worker``): no message per task for that.
-- the imap feeder: submits imap chunks while fewer than ``2 * processes + 2`` are in flight or
-  finished and unconsumed.
+- the imap feeder (one per ``imap`` call): submits imap chunks while fewer than
+  ``2 * processes + 2`` are in flight or finished and unconsumed.
+- the Executor's dispatcher (``_executor``): moves queued calls to the pool as room frees up.
+- the reaper: a pool collected while running is terminated from a thread of its own
+  (``terminate_unreferenced``), never inside the finalizer.
+- shared-memory threads (``_shm``): ``Arena.reserve`` makes a segment in a thread of its own
+  (it takes only ``Arena.cond``, to install it); ``populate`` threads fault pages in for a
+  segment being made and take no lock (they are joined under ``Arena.cond``).
+- worker processes: the main loop (runs chunks; its arena's wait hook reads the pipe, with no
+  lock held), a parent watchdog (no lock), and its arena's reserve/populate threads as above.
+  Across processes: ``claim``, the per-worker lock of Note [taking back a chunk], which the
+  parent only tries (never waits for) and takes holding nothing but the engine's lock.
 
-Locks, in the order they may be taken (never the reverse):
-  engine.lock (RLock: scheduler, worker list and records, tree book)
-    -> Sender.cond (its queue) / engine.space (imap backpressure) / a result's lock
-    -> Lifecycle.lock (flags) -> Arena.cond (slot counts)
-Finalizers take none of them: they append to a deque (``Arena.defer_release``,
-``TreeBook.queue_release``) that a thread applies later.
+Locks, in the one order they may be nested (a thread holding one takes only locks further
+down; same-rank locks are never held together). ``_lockorder.ORDER`` is this list; the test
+suite runs with the lock-order checker on (``JAXTRANSPORT_CHECK_LOCKS``), which fails a test at
+the first inversion::
+
+  Executor._lock                      (the executor's queue and counts)
+  -> Engine.space                     (imap backpressure: the feeder waits on it)
+  -> Engine.lock (RLock)              (scheduler, worker list and records, tree book)
+  -> Sender.cond | CallbackRunner.lock | MapResult._lock | IMapIterator._cond
+  -> Lifecycle.lock                   (flags)
+  -> Arena.cond                       (slot counts)
+  -> results._EVENTS_LOCK             (a result's Event)
+
+The rule that keeps it true: no component calls out (a hook, a callback, another component's
+locked method) while holding its own lock, except downwards in this list. ``Arena.alloc``
+calls its wait hook with ``Arena.cond`` released (Note [no call out under Arena.cond] in
+``_shm``); ``Engine.in_flight`` reads the books without the engine's lock (a snapshot for
+backpressure), so the imap feeder may read it under ``space``; user callbacks and result
+completion run with no pool lock held. Finalizers take none of them: they append to a deque
+(``Arena.defer_release``, ``TreeBook.queue_release``) that a thread applies later.
 
 Files:
 - ``_facade``    -- the public ``Pool``

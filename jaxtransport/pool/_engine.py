@@ -20,7 +20,7 @@ import warnings
 import weakref
 from typing import Any
 
-from .. import _procenv, _shm
+from .. import _lockorder, _procenv, _shm
 from . import _protocol, _wire
 from .._pickling import PICKLE_PROTOCOL
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
@@ -86,7 +86,7 @@ class Engine:
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
-        self.lock = threading.RLock()
+        self.lock = _lockorder.rlock("Engine.lock")
         self.scheduler = Scheduler()
         self.workers: list[WorkerRec] = []
         self.trees = TreeBook(self)
@@ -94,7 +94,7 @@ class Engine:
         self.serials = itertools.count()
         self.early_deaths = 0
         self.tls = threading.local()
-        self.space = threading.Condition(threading.Lock())  # imap feeding backpressure
+        self.space = _lockorder.condition("Engine.space")  # imap feeding backpressure
         self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)
         self.callbacks = CallbackRunner()
         self.wake_r, self.wake_w = os.pipe()
@@ -164,9 +164,10 @@ class Engine:
         return out
 
     # -- submitting (caller threads)
-    def wait_for_space(self, cond) -> bool:
-        """Arena wait hook for the caller's thread (see Arena.alloc): wait while tasks that will
-        release memory are in flight; give up after a grace period when none is."""
+    def wait_for_space(self) -> float | bool:
+        """Arena wait hook for the caller's thread (see Arena.alloc; called with no lock held):
+        wait while tasks that will release memory are in flight; give up after a grace period
+        when none is."""
         if self.flags.stopped:
             return False
         busy = self.in_flight() > 0
@@ -176,8 +177,7 @@ class Engine:
             self.tls.wait_start = start = now
         if not busy and now - start > CAPACITY_GRACE_S:
             return False
-        cond.wait(SPACE_POLL_S)
-        return True
+        return SPACE_POLL_S
 
     def function_blob(self, fn):
         from ._facade import _first_tracer
@@ -257,8 +257,10 @@ class Engine:
                 w.post(stop)
 
     def in_flight(self) -> int:
-        with self.lock:
-            return self.scheduler.in_flight(self.workers)
+        """Chunks pending or in flight, read without the engine's lock (a snapshot that may be
+        one event old: callers use it for backpressure and look again). Lock-free so that a
+        thread holding another lock (a waiting imap feeder holds ``space``) may read it."""
+        return self.scheduler.in_flight(list(self.workers))
 
     # -- completing (manager thread, or any thread that fails chunks)
     def finish_chunk(self, chunk: Chunk, ok: bool, value) -> None:

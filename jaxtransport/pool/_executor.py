@@ -24,6 +24,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
+from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
 from .._tracers import find_tracer, tracer_error
 from ._facade import Pool
@@ -66,7 +67,7 @@ class Executor(concurrent.futures.Executor):
                  initargs: Iterable = (), *, max_tasks_per_child: int | None = None, **pool_kwargs: Any):
         self._pool = Pool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
         self._max_in_flight = 2 * self._pool._processes
-        self._lock = threading.Lock()
+        self._lock = _lockorder.lock("Executor._lock")
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Call] = collections.deque()
         self._in_flight = 0

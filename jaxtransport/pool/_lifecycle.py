@@ -4,14 +4,13 @@ decision to the next check); every change goes through a method here."""
 
 from __future__ import annotations
 
-import threading
-
+from .. import _lockorder
 from .._errors import PoolStateError
 
 
 class Lifecycle:
     def __init__(self):
-        self.lock = threading.Lock()  # innermost: nothing is called with it held
+        self.lock = _lockorder.lock("Lifecycle.lock")  # innermost: nothing is called with it held
         self.closed = False  # no new tasks; workers stop once the submitted ones are done
         self.terminated = False  # workers killed, pending tasks failed
         self.broken: BaseException | None = None  # why the pool cannot run tasks any more

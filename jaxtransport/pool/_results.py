@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import Callable
 
+from .. import _lockorder
 from .._errors import PoolStateError
 
 __all__ = ["AsyncResult", "MapResult", "IMapIterator", "CallbackRunner"]
@@ -27,7 +28,7 @@ __all__ = ["AsyncResult", "MapResult", "IMapIterator", "CallbackRunner"]
 _in_callback = threading.local()
 # Results make their Event only when someone waits before they are done (most tiny tasks are
 # done by then): this lock orders "done" against "an Event was made".
-_EVENTS_LOCK = threading.Lock()  # .active: this thread is a pool's callback thread
+_EVENTS_LOCK = _lockorder.lock("results._EVENTS_LOCK")  # .active: this thread is a pool's callback thread
 
 
 class CallbackRunner:
@@ -37,7 +38,7 @@ class CallbackRunner:
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
+        self.lock = _lockorder.lock("CallbackRunner.lock")
 
     def deliver(self, result, index: int, ok: bool, value) -> None:
         if not result._has_callbacks():
@@ -176,7 +177,7 @@ class MapResult(AsyncResult):
         self._values = [None] * length
         self._chunksize = chunksize
         self._left = -(-length // chunksize) if length else 0
-        self._lock = threading.Lock()
+        self._lock = _lockorder.lock("MapResult._lock")
         if not self._left:
             self._set(True, [])
 
@@ -201,7 +202,7 @@ class IMapIterator:
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
     def __init__(self, keepalive, ordered: bool):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = _lockorder.condition("IMapIterator._cond")
         self._ordered = ordered
         self._ready: dict[int, tuple[bool, object]] = {}
         self._queue: collections.deque = collections.deque()

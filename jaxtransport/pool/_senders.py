@@ -19,7 +19,7 @@ import socket
 import struct
 import threading
 
-from .. import _shm
+from .. import _lockorder, _shm
 
 _HEADER = struct.Struct("!i")
 _HEADER_LONG = struct.Struct("!Q")
@@ -95,7 +95,7 @@ class Sender:
 
     def __init__(self, sock: socket.socket, fdsock: socket.socket, name: str):
         self.sock, self.fdsock = sock, fdsock
-        self.cond = threading.Condition(threading.Lock())  # guards queue/writing/closed only
+        self.cond = _lockorder.condition("Sender.cond")  # guards queue/writing/closed only
         self.queue: collections.deque = collections.deque()
         self.writing = False
         self.closed = False

@@ -186,23 +186,20 @@ class _Worker:
             return False
         return True
 
-    def wait_for_release(self, cond) -> bool:
-        """Arena wait hook: pump the pipe for releases (queueing tasks), up to a grace period
-        per result; False (-> ShmCapacityError for this task) when it runs out."""
+    def wait_for_release(self) -> bool:
+        """Arena wait hook (called with no lock held): pump the pipe for releases (queueing
+        tasks), up to a grace period per result; False (-> ShmCapacityError for this task)
+        when it runs out."""
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
         if now - self._wait_start > self.cfg.get("grace", self.protocol.CAPACITY_GRACE_S):
             return False
-        cond.release()
-        try:
-            self.flush_releases()
-            msg = self.recv(self.protocol.RELEASE_FLUSH_S)
-            if msg is not None and not self.handle_control(msg):
-                self.backlog.append(msg)
-            return True
-        finally:
-            cond.acquire()
+        self.flush_releases()
+        msg = self.recv(self.protocol.RELEASE_FLUSH_S)
+        if msg is not None and not self.handle_control(msg):
+            self.backlog.append(msg)
+        return True
 
     def tree(self, tree_id: int):
         """Shared tree ``tree_id`` as if freshly received (Note [a shared tree per task])."""

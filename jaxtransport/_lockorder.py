@@ -1,0 +1,213 @@
+"""A debug lock-order checker for the package's own locks (off, and free, unless switched on).
+
+Every lock of the pool machinery is made here, by name: :func:`lock`, :func:`rlock` and
+:func:`condition`. Normally they return ``threading``'s own objects (no wrapper, no cost).
+With the checker on (``JAXTRANSPORT_CHECK_LOCKS=1`` in the environment when the lock is made,
+or :func:`enable`; the test suite turns it on in ``tests/conftest.py``) they return wrappers
+that record, per thread, which locks it holds; taking a lock while holding one that the
+written order puts after it (``ORDER``, the one order of Note [pool engine] in
+``jaxtransport/pool/__init__.py``), or closing a cycle in the graph of orders actually seen
+(for locks the written order does not rank), is an inversion. The first inversion is kept
+with both stacks; ``violations()`` returns them (the suite fails the test that made one), and
+with ``JAXTRANSPORT_CHECK_LOCKS=raise`` the acquiring thread raises LockOrderError at once.
+
+Try-acquires (``blocking=False``) and re-entry of an RLock the thread holds cannot deadlock
+and are not checked; a condition's ``wait`` releases and takes its lock again through the
+wrapper, so a wait under another lock is checked like any acquire.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+
+from ._errors import LockOrderError
+
+# The one order, outermost first: a thread holding a lock may take only locks further down.
+# Names of the same rank are never held together. Keep in step with Note [pool engine].
+ORDER: tuple[tuple[str, ...], ...] = (
+    ("Executor._lock",),
+    ("Engine.space",),
+    ("Engine.lock",),
+    ("Sender.cond", "CallbackRunner.lock", "MapResult._lock", "IMapIterator._cond"),
+    ("Lifecycle.lock",),
+    ("Arena.cond",),
+    ("results._EVENTS_LOCK",),
+)
+_RANK = {name: i for i, names in enumerate(ORDER) for name in names}
+
+_enabled = os.environ.get("JAXTRANSPORT_CHECK_LOCKS", "") not in ("", "0")
+_raise = os.environ.get("JAXTRANSPORT_CHECK_LOCKS", "") == "raise"
+_state = threading.local()  # .held: list of checked locks this thread holds, in order taken
+_graph_lock = threading.Lock()  # guards _edges and _violations (a raw lock: never checked)
+_edges: dict[str, dict[str, str]] = {}  # outer name -> {inner name: stack where first seen}
+_violations: list[str] = []
+
+
+def enable(raise_at_once: bool = False) -> None:
+    """Check every lock made from now on (locks made earlier stay as they are)."""
+    global _enabled, _raise
+    _enabled, _raise = True, raise_at_once
+
+
+def disable() -> None:
+    global _enabled
+    _enabled = False
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def violations() -> list[str]:
+    """The inversions seen so far (each: both orders, with the stacks that took them)."""
+    with _graph_lock:
+        return list(_violations)
+
+
+def clear() -> None:
+    with _graph_lock:
+        _violations.clear()
+
+
+def lock(name: str):
+    """A ``threading.Lock`` named ``name`` (checked when the checker is on)."""
+    return _Checked(name, threading.Lock(), reentrant=False) if _enabled else threading.Lock()
+
+
+def rlock(name: str):
+    return _Checked(name, threading.RLock(), reentrant=True) if _enabled else threading.RLock()
+
+
+def condition(name: str) -> threading.Condition:
+    """A ``threading.Condition`` over its own lock named ``name``."""
+    return threading.Condition(lock(name))
+
+
+def _held() -> list:
+    held = getattr(_state, "held", None)
+    if held is None:
+        held = _state.held = []
+    return held
+
+
+def _reaches(src: str, dst: str) -> bool:
+    """Graph lock held: is there a path ``src`` -> ... -> ``dst`` in the orders seen?"""
+    seen, todo = set(), [src]
+    while todo:
+        n = todo.pop()
+        if n == dst:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(_edges.get(n, ()))
+    return False
+
+
+def _check(new: _Checked, held: list) -> None:
+    problem = None
+    for h in held:
+        if h is new:
+            continue
+        outer, inner = h.name, new.name
+        ro, ri = _RANK.get(outer), _RANK.get(inner)
+        here = None
+        if ro is not None and ri is not None:
+            if ri <= ro:
+                here = "".join(traceback.format_stack(limit=16)[:-2])
+                problem = (
+                    f"lock-order inversion: {inner!r} taken while holding {outer!r}, but the written "
+                    f"order (Note [pool engine], _lockorder.ORDER) puts {inner!r} "
+                    f"{'at the same rank as' if ri == ro else 'before'} {outer!r}.\n"
+                    f"Thread {threading.current_thread().name!r} holds {[x.name for x in held]}; stack:\n{here}"
+                )
+                break
+        with _graph_lock:
+            known = _edges.setdefault(outer, {})
+            if inner in known:
+                continue
+            here = here or "".join(traceback.format_stack(limit=16)[:-2])
+            if _reaches(inner, outer):
+                problem = (
+                    f"lock-order cycle: {inner!r} taken while holding {outer!r}, and the opposite "
+                    f"order was seen before.\nThread {threading.current_thread().name!r} holds "
+                    f"{[x.name for x in held]}; stack:\n{here}"
+                )
+                back = _edges.get(inner, {}).get(outer)
+                if back:
+                    problem += f"\nThe opposite order ({outer!r} under {inner!r}) was first taken at:\n{back}"
+                break
+            known[inner] = here
+    if problem is not None:
+        with _graph_lock:
+            first = not _violations
+            _violations.append(problem)
+        if first:  # seen even where nobody asks (a pool worker, a child interpreter)
+            try:
+                sys.stderr.write(f"jaxtransport: {problem}\n")
+            except Exception:  # noqa: BLE001
+                pass
+        if _raise:
+            raise LockOrderError(problem)
+
+
+class _Checked:
+    """A Lock/RLock that checks the order it is taken in (see the module docstring)."""
+
+    __slots__ = ("name", "_inner", "_reentrant", "_owner", "_count")
+
+    def __init__(self, name: str, inner, reentrant: bool):
+        self.name, self._inner, self._reentrant = name, inner, reentrant
+        self._owner: int | None = None
+        self._count = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        held = _held()
+        if blocking and not (self._reentrant and self._owner == me):
+            _check(self, held)
+        ok = self._inner.acquire(blocking, timeout)
+        if ok:
+            self._owner = me
+            self._count += 1
+            held.append(self)
+        return ok
+
+    def release(self) -> None:
+        held = _held()
+        self._count -= 1
+        if self._count == 0:
+            self._owner = None
+        for i in range(len(held) - 1, -1, -1):
+            if held[i] is self:
+                del held[i]
+                break
+        self._inner.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def locked(self) -> bool:
+        return self._inner.locked() if hasattr(self._inner, "locked") else self._owner is not None
+
+    # threading.Condition uses these when its lock has them.
+    def _is_owned(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def _release_save(self):
+        count = self._count
+        for _ in range(count):
+            self.release()
+        return count
+
+    def _acquire_restore(self, count) -> None:
+        for _ in range(count):
+            self.acquire()
+
+    def __repr__(self) -> str:
+        return f"<checked lock {self.name!r} owner={self._owner}>"
