@@ -33,6 +33,9 @@ from ._workers import WorkerRec, close_worker, start_worker
 
 MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
+# A worker's chunks it has not started go to an idle worker once its running chunk has run this
+# long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
+STALL_S = 0.05
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _atexit_registered = False
@@ -225,6 +228,7 @@ class Engine:
         batches: dict = {}
         for w, chunk in self.scheduler.assign(self.workers):
             w.sent += 1
+            chunk.seq = w.sent
             self.arena.transfer(chunk.enc.handles, chunk.key, w.key)
             enc = chunk.enc
             if chunk.trees or enc.segs:
@@ -245,6 +249,58 @@ class Engine:
             w.post(batch)
         if self.flags.closed:
             self.maybe_stop()
+
+    def stalled(self, now: float) -> bool:
+        """Manager thread, without the lock (a hint): may a worker hold chunks it has not
+        started behind one that runs longer than ``STALL_S``, while another worker is idle?"""
+        workers = list(self.workers)
+        idle = False
+        stalled = False
+        for w in workers:
+            if w.held_back and w.cell[3] >= w.held_back:
+                self.resume(w)  # it read and skipped what was taken back: it runs again
+            out = w.outstanding
+            try:
+                first = out[0]
+            except IndexError:
+                idle = idle or w.can_take()
+                continue
+            if now - first.began > STALL_S and (len(out) > 1 or w.cell[1] < first.seq):
+                stalled = True
+        return idle and stalled
+
+    def resume(self, w: WorkerRec) -> None:
+        """Manager thread: ``w``, held back after a take-back, showed it runs: it may take
+        chunks again."""
+        if w.held_back:
+            with self.lock:
+                w.held_back = 0
+                self.dispatch()
+
+    def take_back(self) -> int:
+        """Manager thread: chunks waiting on a worker whose running chunk has run longer than
+        ``STALL_S`` (a long task, a stopped or descheduled process), or that has not started
+        its first one in that time, go back to the front of the queue and to an idle worker.
+        A chunk the worker started stays with it; none ever runs twice (Note [taking back a
+        chunk] in ``_worker``). Returns how many moved."""
+        now = time.monotonic()
+        with self.lock:
+            if self.flags.stopped:
+                return 0
+            if not any(not w.outstanding and w.can_take() and w.alive() for w in self.workers):
+                return 0
+            moved = []
+            for w in self.workers:
+                if w.dead or not w.outstanding or now - w.outstanding[0].began <= STALL_S:
+                    continue
+                back = w.take_back_unstarted()
+                for chunk in back:
+                    self.arena.transfer(chunk.enc.handles, w.key, chunk.key)
+                moved.extend(back)
+            if moved:
+                self.scheduler.requeue(moved)
+                self.dispatch()
+        return len(moved)
 
     def maybe_stop(self) -> None:
         """Lock held: when closed and nothing is left, tell the workers to exit."""

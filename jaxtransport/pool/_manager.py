@@ -114,6 +114,8 @@ class Manager:
                     self.read_from(w)
                     self.worker_exited(w)
             now = time.monotonic()
+            if engine.stalled(now):
+                engine.take_back()
             if now - self.last_flush >= RELEASE_FLUSH_S:
                 self.last_flush = now
                 self.flush(workers)
@@ -121,6 +123,8 @@ class Manager:
     def read_from(self, w: WorkerRec) -> None:
         frames, eof = w.reader.read()
         self.finished_any = False
+        if frames and w.held_back:
+            self.engine.resume(w)
         for raw in frames:
             if w.dead:
                 break

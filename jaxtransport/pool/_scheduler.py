@@ -46,7 +46,7 @@ class Chunk:
     object it completes and its index there. ``key`` is its borrower name in the arena while
     it waits (its slots move to the worker that runs it)."""
 
-    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "began")
+    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "began", "seq")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
         self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
@@ -54,6 +54,7 @@ class Chunk:
         self.trees = enc.trees
         self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
         self.began = 0.0  # when it was sent, or when the one before it finished (monotonic)
+        self.seq = 0  # its place in the stream of tasks sent to its worker (1, 2, ...)
 
 
 class Scheduler:

@@ -50,15 +50,16 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxtransport-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, fdsock, config: bytes, cell) -> None:
-    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: a shared
-    int64 where it records the chunk it starts (Note [started])."""
+def worker_main(conn, fdsock, config: bytes, cell, claim=None) -> None:
+    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: shared
+    int64s where it records the chunk it starts and the parent marks chunks it took back,
+    ``claim`` the cross-process lock over them (Note [started], Note [taking back a chunk])."""
     cfg = pickle.loads(config)
     _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
     global CURRENT
-    CURRENT = _Worker(conn, fdsock, cfg, cell)
+    CURRENT = _Worker(conn, fdsock, cfg, cell, claim)
     CURRENT.run()
 
 
@@ -66,7 +67,7 @@ CURRENT = None  # the running worker (for introspection and tests)
 
 
 class _Worker:
-    def __init__(self, conn, fdsock, cfg, cell=None):
+    def __init__(self, conn, fdsock, cfg, cell=None, claim=None):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
         from .. import _shm
@@ -99,6 +100,8 @@ class _Worker:
         self.held_trees: dict[int, object] = {}  # id -> _wire.Held: its slots held, mapped once
         self.backlog: list = []
         self.cell = cell
+        self.claim = claim
+        self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
 
@@ -147,9 +150,14 @@ class _Worker:
             if raw is None:
                 return None
             try:
-                return P.loads(raw, P.TO_WORKER)
+                msg = P.loads(raw, P.TO_WORKER)
             except P.CorruptTransferError as e:
                 self.report_garbled(raw, e)
+                continue
+            if type(msg) is P.Task:
+                self.tasks_read += 1
+                return msg, self.tasks_read
+            return msg
 
     def report_garbled(self, raw: bytes, err: BaseException) -> None:
         P = self.protocol
@@ -158,6 +166,8 @@ class _Worker:
             chunk_id = msg[1] if msg[0] == P.Task.KIND and type(msg[1]) is int else None
         except Exception:  # noqa: BLE001
             chunk_id = None
+        if chunk_id is not None:
+            self.tasks_read += 1  # the parent counted it (Note [taking back a chunk])
         if chunk_id is None:
             # Whatever it carried is lost: say so and exit before starting anything sent after
             # it (the parent reruns that elsewhere and replaces this worker).
@@ -246,7 +256,7 @@ class _Worker:
         maxtasks = cfg["maxtasks"]
         while True:
             if self.backlog:
-                msg = self.backlog.pop(0)
+                msg = self.backlog.pop(0)  # one queued by wait_for_release
             else:
                 busy = self.mapper.pending or self.arena.has_forgotten()
                 msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
@@ -258,16 +268,13 @@ class _Worker:
             if type(msg) is self.protocol.Stop:
                 self.flush_releases()
                 return
-            # Note [started]
-            # ~~~~~~~~~~~~~~
-            # When a worker dies, the parent must tell the chunk it was running (it fails with
-            # WorkerLostError) from the chunks queued behind it (they never ran: they run on the
-            # replacement). Chunks run in the order sent, so the id of the chunk started last
-            # decides: we store it in a cell of shared memory before starting the chunk, and the
-            # parent reads it once the process is gone and every Result it sent has been read.
-            # A plain store: no message, no wakeup of the parent per task.
-            if self.cell is not None:
-                self.cell.value = msg.chunk_id
+            msg, seq = msg  # a task and its place in this worker's stream (recv)
+            if not self.claim_chunk(msg.chunk_id, seq):
+                # Taken back by the parent (Note [taking back a chunk]): it runs elsewhere.
+                # Only the releases it carried apply here.
+                for h in msg.releases:
+                    self.arena.release(h, "parent")
+                continue
             self.run_chunk(msg)
             done += 1
             if maxtasks and done >= maxtasks:
@@ -277,6 +284,46 @@ class _Worker:
                 self.flush_releases()
                 self.send(self.protocol.Leaving())
                 return
+
+    def claim_chunk(self, chunk_id: int, seq: int) -> bool:
+        """Record that this worker starts chunk ``chunk_id`` (the ``seq``-th task it read),
+        unless the parent took it back first: False then (skip it)."""
+        cell = self.cell
+        if cell is None:
+            return True
+        if self.claim is None:
+            cell[0], cell[1] = chunk_id, seq
+            return True
+        # Note [started]
+        # ~~~~~~~~~~~~~~
+        # When a worker dies, the parent must tell the chunk it was running (it fails with
+        # WorkerLostError) from the chunks queued behind it (they never ran: they run on the
+        # replacement). Chunks run in the order sent, so the id of the chunk started last
+        # decides: we store it in a cell of shared memory before starting the chunk, and the
+        # parent reads it once the process is gone and every Result it sent has been read.
+        # A plain store: no message, no wakeup of the parent per task.
+        #
+        # Note [taking back a chunk]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # A chunk may wait in this worker's pipe behind a running one. When the running one
+        # stalls (a long task, SIGSTOP), the parent takes the waiting chunks back and runs
+        # them on an idle worker (``Engine.take_back``). Both ends count the tasks on this
+        # pipe (the parent as it sends, the worker as it reads: ``seq``), and three shared
+        # int64s say who has what: [0] the id of the chunk started last, [1] its seq,
+        # [2] the last seq the parent took back ([3]: the last seq skipped for that). Starting a chunk and taking chunks back
+        # are one step each under ``claim``, a process-shared lock: the worker starts the
+        # chunk only if its seq is past [2]; the parent takes back only the chunks past [1]
+        # and then raises [2] to the last seq it sent. So a chunk runs here or there, never
+        # both, whoever comes first. The parent only tries the lock (never waits on a
+        # stopped worker); the worker holds it for a few stores. A worker the parent took
+        # chunks from gets nothing new until it shows it runs again: a message, or [3]
+        # reaching the last seq taken back (it read and skipped them).
+        with self.claim:
+            if seq <= cell[2]:
+                cell[3] = seq  # read and skipped: the parent sees this worker is back
+                return False
+            cell[0], cell[1] = chunk_id, seq
+        return True
 
     def run_chunk(self, msg) -> None:
         chunk_id, data, entries = msg.chunk_id, msg.data, msg.entries

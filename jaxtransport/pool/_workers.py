@@ -23,10 +23,11 @@ class WorkerRec:
     __slots__ = (
         "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sock", "sentinel", "mapper",
         "sender", "reader", "outstanding", "sent_segs", "trees", "ready", "retiring", "dead",
-        "stop_sent", "sent", "pace", "fault", "maxtasks", "cell",
+        "stop_sent", "sent", "pace", "fault", "maxtasks", "cell", "claim", "taken_back",
+        "held_back",
     )
 
-    def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None, cell):
+    def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None, cell, claim=None):
         self.index, self.serial = index, serial
         self.key = ("worker", serial)  # its borrower name in the parent's arena
         self.proc, self.pid, self.conn, self.fdsock = proc, proc.pid, conn, fdsock
@@ -45,17 +46,45 @@ class WorkerRec:
         self.pace: float | None = None  # moving average of its seconds per chunk
         self.fault: str | None = None  # why the parent retired it (a corrupt message)
         self.maxtasks = maxtasks
-        self.cell = cell  # shared: the chunk id the worker started last (Note [started], _worker)
+        # Shared with the worker: [0] the chunk id it started last, [1] that chunk's place in
+        # its stream of tasks, [2] the last place taken back, [3] the last one it skipped
+        # for that; ``claim`` guards them across
+        # processes (Note [started], Note [taking back a chunk] in _worker).
+        self.cell = cell
+        self.claim = claim
+        self.taken_back = 0  # chunks sent to it and taken back (they do not count for maxtasks)
+        # After a take-back: the last seq taken; nothing new goes to it until it shows it runs
+        # (any message from it, or its cell[3] reaching this). 0: not held back.
+        self.held_back = 0
 
     def started_chunk(self) -> int:
         """The id of the chunk the worker started last (-1: none yet). Read after it died, it
         tells whether its first in-flight chunk was running or never started."""
-        return self.cell.value
+        return self.cell[0]
+
+    def take_back_unstarted(self) -> list:
+        """Engine lock held: remove and return this worker's in-flight chunks it has not
+        started, so that none of them will ever start here (Note [taking back a chunk]).
+        Empty when the worker holds ``claim`` just now (it is starting a chunk: look again
+        later) -- never waits for it."""
+        if not self.outstanding or not self.claim.acquire(False):
+            return []
+        try:
+            started = self.cell[1]
+            back = [c for c in self.outstanding if c.seq > started]
+            if back:
+                self.cell[2] = self.held_back = self.sent
+        finally:
+            self.claim.release()
+        for c in back:
+            self.outstanding.remove(c)
+        self.taken_back += len(back)
+        return back
 
     def can_take(self) -> bool:
-        if self.dead or self.retiring or self.stop_sent or self.fault is not None:
+        if self.dead or self.retiring or self.stop_sent or self.fault is not None or self.held_back:
             return False
-        return not self.maxtasks or self.sent < self.maxtasks
+        return not self.maxtasks or self.sent - self.taken_back < self.maxtasks
 
     def alive(self) -> bool:
         """False once the process has exited, even before the manager has seen it."""
@@ -76,8 +105,9 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     cfg = pickle.dumps(dict(config, env=env))
     conn, child_conn = ctx.Pipe(duplex=True)
     fdsock, child_sock = _shm.fd_socketpair()
-    cell = ctx.RawValue("q", -1)  # multiprocessing's heap: an unlinked file, gone with its users
-    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, cell), daemon=True,
+    cell = ctx.RawArray("q", [-1, 0, 0, 0])  # multiprocessing's heap: an unlinked file, gone with its users
+    claim = ctx.Lock()
+    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, cell, claim), daemon=True,
                        name=f"jaxtransport-pool-worker-{index}")
     try:
         if start_method == "spawn":
@@ -94,7 +124,7 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     finally:
         child_conn.close()
         child_sock.close()
-    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cell)
+    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cell, claim)
 
 
 def close_worker(w: WorkerRec) -> None:
