@@ -304,6 +304,68 @@ def bench_beside_long(rows, quick_tasks=20, long_s=1.0, reps=7):
     _print_row(rows[-1])
 
 
+def pid_after(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def bench_stopped(rows, quick_tasks=20, reps=7, mp_stop_s=1.0):
+    """One of two workers is stopped (SIGSTOP) while idle, then quick tasks (300 KB numpy
+    argument) are submitted: seconds until all are done (issue 21, item 3). jaxtransport sends
+    the first to the stopped worker (it was idle) and takes it back after ``STALL_S``, so the
+    gap to the same run with no worker stopped is the time from a worker's stop to its
+    unstarted chunks running elsewhere. multiprocessing.Pool's idle worker waits for a task
+    holding the shared queue's read lock: stopped, it stalls every worker until SIGCONT, sent
+    here after ``mp_stop_s`` (its row includes that wait)."""
+    import signal
+
+    import jaxtransport as jt
+
+    ctx = multiprocessing.get_context("spawn")
+    arg = np.ones(300_000 // 8)
+
+    def pids(pool):
+        rs = [pool.apply_async(pid_after, (0.3,)) for _ in range(2)]
+        return sorted({r.get() for r in rs})
+
+    def once(pool, stop, cont_after=None):
+        victim = pids(pool)[0]
+        if stop:
+            os.kill(victim, signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            rs = [pool.apply_async(array_sum, (arg,)) for _ in range(quick_tasks)]
+            if cont_after is not None:
+                rs[-1].wait(cont_after)
+                os.kill(victim, signal.SIGCONT)
+            for r in rs:
+                r.get()
+            return time.perf_counter() - t0
+        finally:
+            if stop:
+                os.kill(victim, signal.SIGCONT)
+
+    with jt.Pool(2) as jpool, ctx.Pool(2) as mpool:
+        jpool.map(noop, range(10))
+        mpool.map(noop, range(10))
+        mts, jts, nts = [], [], []
+        for k in range(reps):
+            mts.append(once(mpool, True, cont_after=mp_stop_s))
+            jts.append(once(jpool, True))
+            nts.append(once(jpool, False))
+    rows.append(_row("stopped_worker", 300_000, "multiprocessing.Pool", mts, tasks=quick_tasks,
+                     note=f"stalled until SIGCONT after {mp_stop_s} s"))
+    _print_row(rows[-1])
+    rows.append(_row("stopped_worker", 300_000, "jaxtransport.Pool, no worker stopped", nts, base=_median(mts),
+                     tasks=quick_tasks))
+    _print_row(rows[-1])
+    rows.append(_row("stopped_worker", 300_000, "jaxtransport.Pool", jts, base=_median(mts), tasks=quick_tasks,
+                     take_back_s=_median(jts) - _median(nts)))
+    _print_row(rows[-1])
+    print(f"{'':14} stop -> its unstarted chunks done elsewhere: {_median(jts) - _median(nts):.3f} s "
+          f"over the run with no worker stopped", flush=True)
+
+
 def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
     import jax.numpy as jnp
 
@@ -330,7 +392,7 @@ def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
         print(f"{'':14} {n} workers / 1 worker = {sec / one:.2f}x", flush=True)
 
 
-GROUPS = ("transfers", "steady", "tiny", "beside_long", "broadcast")
+GROUPS = ("transfers", "steady", "tiny", "beside_long", "stopped_worker", "broadcast")
 
 
 def run(quick: bool = False, max_bytes: int | None = None, only: tuple = GROUPS) -> list[dict]:
@@ -348,6 +410,8 @@ def run(quick: bool = False, max_bytes: int | None = None, only: tuple = GROUPS)
         bench_tiny(rows)
     if "beside_long" in only:
         bench_beside_long(rows)
+    if "stopped_worker" in only:
+        bench_stopped(rows)
     if "broadcast" in only:
         bench_broadcast(64 * MIB if quick else 256 * MIB, rows)
     return rows
