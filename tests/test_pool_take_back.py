@@ -93,7 +93,7 @@ def test_a_started_chunk_stays_with_its_stopped_worker(start_method, tmp_path):
     p = jt.Pool(2, start_method=start_method)
     try:
         both_pids(p)
-        long = p.apply_async(logged, (log, 100, 1.0))
+        long = p.apply_async(logged, (log, 100, 3.0))
         assert wait_until(lambda: runs(log), 30)
         ((_, busy),) = runs(log)
         os.kill(busy, signal.SIGSTOP)  # mid-task: it has started, it must not run elsewhere
