@@ -115,16 +115,15 @@ def _check(new: _Checked, held: list) -> None:
         outer, inner = h.name, new.name
         ro, ri = _RANK.get(outer), _RANK.get(inner)
         here = None
-        if ro is not None and ri is not None:
-            if ri <= ro:
-                here = "".join(traceback.format_stack(limit=16)[:-2])
-                problem = (
-                    f"lock-order inversion: {inner!r} taken while holding {outer!r}, but the written "
-                    f"order (Note [pool engine], _lockorder.ORDER) puts {inner!r} "
-                    f"{'at the same rank as' if ri == ro else 'before'} {outer!r}.\n"
-                    f"Thread {threading.current_thread().name!r} holds {[x.name for x in held]}; stack:\n{here}"
-                )
-                break
+        if ro is not None and ri is not None and ri <= ro:
+            here = "".join(traceback.format_stack(limit=16)[:-2])
+            problem = (
+                f"lock-order inversion: {inner!r} taken while holding {outer!r}, but the written "
+                f"order (Note [pool engine], _lockorder.ORDER) puts {inner!r} "
+                f"{'at the same rank as' if ri == ro else 'before'} {outer!r}.\n"
+                f"Thread {threading.current_thread().name!r} holds {[x.name for x in held]}; stack:\n{here}"
+            )
+            break
         with _graph_lock:
             known = _edges.setdefault(outer, {})
             if inner in known:
@@ -157,7 +156,7 @@ def _check(new: _Checked, held: list) -> None:
 class _Checked:
     """A Lock/RLock that checks the order it is taken in (see the module docstring)."""
 
-    __slots__ = ("name", "_inner", "_reentrant", "_owner", "_count")
+    __slots__ = ("_count", "_inner", "_owner", "_reentrant", "name")
 
     def __init__(self, name: str, inner, reentrant: bool):
         self.name, self._inner, self._reentrant = name, inner, reentrant

@@ -852,7 +852,8 @@ class Mapper:
         self.live: dict[int, tuple] = {}  # addr -> handle of a live holder
 
     def take_releases(self, limit: int | None = None) -> list:
-        """Pop queued releases (at most ``limit``) for the sender."""
+        """Pop queued releases (at most ``limit``) for the sender. Safe beside another thread
+        taking them too (each release goes to one of them)."""
         if self.live:
             collect_deferred()
         pending = self.pending
@@ -860,7 +861,13 @@ class Mapper:
         if limit is not None:
             n = min(n, limit)
         pop = pending.popleft
-        return [pop() for _ in range(n)]
+        out = []
+        try:
+            for _ in range(n):
+                out.append(pop())
+        except IndexError:  # another thread took some since len()
+            pass
+        return out
 
     def _drain(self, want: int | None, timeout: float) -> None:
         if self.sock is None:

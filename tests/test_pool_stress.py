@@ -165,7 +165,7 @@ class Round:
         """A named error the chaos explains: count it; anything else fails the round."""
         import multiprocessing
 
-        if isinstance(e, multiprocessing.TimeoutError) or isinstance(e, TimeoutError):
+        if isinstance(e, (multiprocessing.TimeoutError, TimeoutError)):
             self.fail(f"{kind}: no result within {BOUND_S} s (a hang)")
             _dump_stacks()
             return False

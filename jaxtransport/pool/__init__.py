@@ -36,7 +36,8 @@ Threads and what they own (parent process unless said):
   [started] in ``_worker``): no message per task for that.
 - the imap feeder (one per ``imap`` call): submits imap chunks while fewer than
   ``2 * processes + 2`` are in flight or finished and unconsumed.
-- the Executor's dispatcher (``_executor``): moves queued calls to the pool as room frees up.
+- the Executor's dispatcher (``_executor``): moves queued calls to the pool as room frees up;
+  after ``shutdown(wait=False)`` a closer thread waits for the calls, then closes the pool.
 - the reaper: a pool collected while running is terminated from a thread of its own
   (``terminate_unreferenced``), never inside the finalizer.
 - shared-memory threads (``_shm``): ``Arena.reserve`` makes a segment in a thread of its own
