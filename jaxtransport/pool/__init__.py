@@ -45,8 +45,9 @@ Threads and what they own (parent process unless said):
   segment being made and take no lock (they are joined under ``Arena.cond``).
 - worker processes: the main loop (runs chunks; its arena's wait hook reads the pipe, with no
   lock held), a parent watchdog (no lock), and its arena's reserve/populate threads as above.
-  Across processes: ``claim``, the per-worker lock of Note [taking back a chunk], which the
-  parent only tries (never waits for) and takes holding nothing but the engine's lock.
+  Across processes: ``claim``, the per-worker lock of Note [taking back a chunk] (an unnamed
+  process-shared semaphore in shared memory, ``_claim``), which the parent only tries (never
+  waits for) and takes holding nothing but the engine's lock.
 
 Locks, in the one order they may be nested (a thread holding one takes only locks further
 down; same-rank locks are never held together). ``_lockorder.ORDER`` is this list; the test
@@ -81,6 +82,7 @@ Files:
 - ``_trees``     -- ``SharedTree`` and the lifetime of shared trees
 - ``_wire``      -- pickles with large arrays moved to shared memory (encode/decode)
 - ``_worker``    -- the worker process's loop
+- ``_claim``     -- a worker's shared cells and the process-shared lock over them
 - ``_results``   -- ``AsyncResult``/``MapResult``/``IMapIterator`` and the callback thread
 - ``_executor``  -- ``Executor``, the ``concurrent.futures`` face over a ``Pool``
 """

@@ -265,7 +265,7 @@ class Engine:
             except IndexError:
                 idle = idle or w.can_take()
                 continue
-            if now - first.began > STALL_S and (len(out) > 1 or w.cell[1] < first.seq):
+            if now - first.began > STALL_S and w.claim is not None and (len(out) > 1 or w.cell[1] < first.seq):
                 stalled = True
         return idle and stalled
 

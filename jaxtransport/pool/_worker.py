@@ -50,10 +50,14 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxtransport-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, fdsock, config: bytes, cell, claim=None) -> None:
-    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: shared
-    int64s where it records the chunk it starts and the parent marks chunks it took back,
-    ``claim`` the cross-process lock over them (Note [started], Note [taking back a chunk])."""
+def worker_main(conn, fdsock, config: bytes, block=None) -> None:
+    """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``block``: shared
+    int64s where it records the chunk it starts and the parent marks chunks it took back, and
+    the cross-process lock over them (``_claim``; Note [started], Note [taking back a chunk])."""
+    from ._claim import Cells
+
+    cell = None if block is None else Cells(block)
+    claim = None if cell is None else cell.lock
     cfg = pickle.loads(config)
     _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)

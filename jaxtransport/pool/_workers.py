@@ -16,6 +16,7 @@ import socket
 from typing import Any
 
 from .. import _procenv, _shm
+from . import _claim
 from ._senders import FrameReader, Sender
 
 
@@ -67,7 +68,7 @@ class WorkerRec:
         started, so that none of them will ever start here (Note [taking back a chunk]).
         Empty when the worker holds ``claim`` just now (it is starting a chunk: look again
         later) -- never waits for it."""
-        if not self.outstanding or not self.claim.acquire(False):
+        if not self.outstanding or self.claim is None or not self.claim.acquire(False):
             return []
         try:
             started = self.cell[1]
@@ -105,9 +106,8 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     cfg = pickle.dumps(dict(config, env=env))
     conn, child_conn = ctx.Pipe(duplex=True)
     fdsock, child_sock = _shm.fd_socketpair()
-    cell = ctx.RawArray("q", [-1, 0, 0, 0])  # multiprocessing's heap: an unlinked file, gone with its users
-    claim = ctx.Lock()
-    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, cell, claim), daemon=True,
+    block = _claim.new_block(ctx)  # multiprocessing's heap: an unlinked file, gone with its users
+    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, block), daemon=True,
                        name=f"jaxtransport-pool-worker-{index}")
     try:
         if start_method == "spawn":
@@ -124,7 +124,8 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     finally:
         child_conn.close()
         child_sock.close()
-    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cell, claim)
+    cells = _claim.Cells(block)
+    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cells, cells.lock)
 
 
 def close_worker(w: WorkerRec) -> None:
