@@ -66,7 +66,7 @@ class Cells:
 
 
 class _SemLock:
-    __slots__ = ("lib", "addr")
+    __slots__ = ("addr", "lib")
 
     def __init__(self, lib, addr: int):
         self.lib, self.addr = lib, addr
