@@ -545,3 +545,54 @@ def test_cpython_process_pool_executor_tests(start_method):
     done = threading.Event()
     threading.Thread(target=lambda: (ex.shutdown(wait=True), done.set()), daemon=True).start()
     assert done.wait(60)
+
+
+class EventfulGCObj:
+    def __init__(self, mgr):
+        self.event = mgr.Event()
+
+    def __del__(self):
+        self.event.set()
+
+
+def raise_123():
+    raise RuntimeError(123)  # some comment
+
+
+def mul(x, y):
+    return x * y
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_cpython_process_pool_tests_worker_side(start_method):
+    # More of CPython's test_process_pool.py: chunksize checks, the remote traceback, arguments
+    # garbage-collected in the worker after the call, max_tasks_per_child with a backlog.
+    import multiprocessing
+
+    with jt.Executor(2, start_method=start_method) as ex:
+        ref = list(map(pow, range(40), range(40)))
+        for chunksize in (6, 50, 40):
+            assert list(ex.map(pow, range(40), range(40), chunksize=chunksize)) == ref
+        with pytest.raises(ValueError):
+            list(ex.map(pow, range(40), range(40), chunksize=-1))
+        # test_traceback
+        exc = ex.submit(raise_123).exception(timeout=60)
+        assert type(exc) is RuntimeError and exc.args == (123,)
+        assert "raise RuntimeError(123)  # some comment" in exc.__cause__.tb
+        # test_ressources_gced_in_workers
+        mgr = multiprocessing.get_context(start_method).Manager()
+        try:
+            obj = EventfulGCObj(mgr)
+            ex.submit(id, obj).result(timeout=60)
+            assert obj.event.wait(timeout=30)
+            del obj
+        finally:
+            mgr.shutdown()
+    # test_max_tasks_per_child_pending_tasks_gh115634
+    for max_workers, max_tasks, num_tasks in [(1, 2, 6), (2, 2, 8)]:
+        ex = jt.Executor(max_workers, start_method=start_method, max_tasks_per_child=max_tasks)
+        try:
+            futures = [ex.submit(mul, i, 2) for i in range(num_tasks)]
+            assert [f.result(timeout=120) for f in futures] == [i * 2 for i in range(num_tasks)]
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
