@@ -203,3 +203,398 @@ def test_executor_cannot_be_pickled():
     with jt.Executor(1) as ex:
         with pytest.raises(TypeError, match="cannot be pickled"):
             pickle.dumps(ex)
+
+
+# --------------------------------------------------------------------------------------------
+# concurrent.futures' contract (issue 21): exit, initargs, errors, logging, reference lifetime.
+
+START_METHODS = ["spawn", "forkserver"]
+
+_EXIT_SCRIPT = '''
+import os, sys, time
+
+def work(path, i):
+    time.sleep(0.3)
+    with open(os.path.join(path, f"{i}.done"), "w") as f:
+        f.write(str(i))
+    return i
+
+if __name__ == "__main__":
+    kind, start_method, mode, out = sys.argv[1:5]
+    if kind == "stock":
+        import concurrent.futures, multiprocessing
+        ex = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(start_method))
+    else:
+        import jaxtransport as jt
+        ex = jt.Executor(max_workers=2, start_method=start_method)
+    futures = [ex.submit(work, out, i) for i in range(6)]
+    if mode == "shutdown-nowait":
+        ex.shutdown(wait=False)
+    elif mode == "cancel-futures":
+        ex.shutdown(wait=False, cancel_futures=True)
+    print(" ".join(str(i) for i, f in enumerate(futures) if f.cancelled()), flush=True)
+    # the script ends here: nothing waits for the futures
+'''
+
+
+def _run_exit_script(tmp_path, kind, start_method, mode):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    out = tmp_path / f"{kind}-{mode}"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script), kind, start_method, mode, str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not proc.stderr  # as CPython's test_interpreter_shutdown: nothing printed at exit
+    cancelled = {int(i) for i in proc.stdout.split()}
+    ran = {int(p.name.split(".")[0]) for p in out.iterdir()}
+    return ran, cancelled
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_submitted_work_finishes_at_interpreter_exit_as_concurrent_futures(tmp_path, start_method):
+    # A script that submits and ends without waiting: concurrent.futures runs every call
+    # (after shutdown(wait=False) too); cancel_futures=True cancels only calls not yet started.
+    for mode in ("end-of-script", "shutdown-nowait", "cancel-futures"):
+        stock = _run_exit_script(tmp_path, "stock", start_method, mode)
+        ours = _run_exit_script(tmp_path, "jt", start_method, mode)
+        if mode != "cancel-futures":
+            assert ours == stock == (set(range(6)), set()), mode
+            continue
+        # The calls already handed to workers run, the rest are cancelled (how many are handed
+        # over ahead differs: the stock executor queues max_workers + 1, this one 2 * max_workers).
+        for ran, _ in (stock, ours):
+            assert 2 <= len(ran) < 6 and ran == set(range(len(ran))), (stock, ours)
+        ran, cancelled = ours  # here cancel_futures cancels before shutdown() returns
+        assert cancelled == set(range(6)) - ran
+
+
+def test_pool_is_terminated_at_interpreter_exit_as_multiprocessing(tmp_path):
+    # The Pool keeps multiprocessing.Pool's exit behaviour: unfinished tasks are dropped.
+    script = tmp_path / "pool_exit.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "def work(path, i):\n"
+        "    time.sleep(1.0)\n"
+        "    open(os.path.join(path, f'{i}.done'), 'w').close()\n"
+        "if __name__ == '__main__':\n"
+        "    import jaxtransport as jt\n"
+        "    p = jt.Pool(2)\n"
+        "    p.apply(time.sleep, (0,))\n"
+        "    rs = [p.apply_async(work, (sys.argv[1], i)) for i in range(6)]\n"
+    )
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(tmp_path.glob("*.done"))
+
+
+def test_submit_from_an_atexit_hook_raises_runtime_error(tmp_path):
+    script = tmp_path / "atexit_submit.py"
+    script.write_text(
+        "import atexit\n"
+        "@atexit.register\n"
+        "def run_last():\n"
+        "    try:\n"
+        "        ex.submit(id, None)\n"
+        "    except RuntimeError as e:\n"
+        "        print('runtime-error:', e)\n"
+        "if __name__ == '__main__':\n"
+        "    import jaxtransport as jt\n"
+        "    ex = jt.Executor(1)\n"
+        "    ex.submit(id, 42).result()\n"
+    )
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "runtime-error: cannot schedule new futures after interpreter shutdown"
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_max_workers_must_be_positive_as_concurrent_futures(bad):
+    with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):
+        cf.ProcessPoolExecutor(bad)
+    with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):
+        jt.Executor(bad)
+    with pytest.raises(ValueError, match="max_tasks_per_child must be >= 1"):
+        jt.Executor(1, max_tasks_per_child=bad)
+
+
+def init_with_queue(q, tag):
+    q.put((tag, os.getpid()))
+
+
+def work_pid(_=None):
+    return os.getpid()
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_initargs_may_hold_objects_shared_by_inheritance(start_method):
+    # multiprocessing.Queue, Lock and Value travel to each worker as it starts (as the stock
+    # pools send initargs); so do jaxtransport's own queues; a replaced worker gets them too.
+    import multiprocessing
+
+    import jaxtransport.multiprocessing as jmp
+
+    ctx = multiprocessing.get_context(start_method)
+    q, lock, counter = ctx.Queue(), ctx.Lock(), ctx.Value("i", 0)
+
+    def init(q, lock, counter):
+        with lock:
+            counter.value += 1
+        q.put(os.getpid())
+
+    with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=init_with_queue, initargs=(q, "stock")) as ex:
+        stock_pid = ex.submit(work_pid).result(timeout=60)
+    assert q.get(timeout=60) == ("stock", stock_pid)
+
+    with jt.Executor(2, initializer=init, initargs=(q, lock, counter), start_method=start_method,
+                     max_tasks_per_child=1) as ex:
+        pids = {ex.submit(work_pid).result(timeout=60) for _ in range(3)}  # each worker is replaced
+        assert len(pids) == 3
+        started: set = set()
+        while not pids <= started:  # every worker that ran a call ran the initializer first
+            started.add(q.get(timeout=60))
+    assert counter.value >= 3
+
+    jq = jmp.get_context(start_method).Queue()
+    with jt.Pool(2, init_with_queue, (jq, "jt"), start_method=start_method) as p:
+        pids = set(p.map(work_pid, range(8), chunksize=1))
+        got = [jq.get(timeout=60) for _ in range(2)]
+        assert {tag for tag, _ in got} == {"jt"} and pids <= {pid for _, pid in got}
+
+
+def init_logging_through_queue(log_queue):
+    import logging
+    import logging.handlers
+
+    logger = logging.getLogger("concurrent.futures")
+    logger.addHandler(logging.handlers.QueueHandler(log_queue))
+    logger.setLevel("CRITICAL")
+    logger.propagate = False
+    raise ValueError("error in initializer")
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_initializer_error_is_logged_on_the_futures_logger_before_the_executor_breaks(start_method):
+    # CPython's test_concurrent_futures FailingInitializerMixin, against jt.Executor.
+    import multiprocessing
+    import queue
+
+    log_queue = multiprocessing.get_context(start_method).Queue()
+    ex = jt.Executor(2, initializer=init_logging_through_queue, initargs=(log_queue,), start_method=start_method)
+    try:
+        try:
+            future = ex.submit(square, 2)
+        except cf.BrokenExecutor:
+            pass
+        else:
+            with pytest.raises(cf.BrokenExecutor):
+                future.result(timeout=60)
+        deadline = time.monotonic() + 60
+        while ex._broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(cf.BrokenExecutor):
+            ex.submit(square, 2)
+    finally:
+        ex.shutdown(wait=True)
+    output = []
+    try:
+        while True:
+            output.append(log_queue.get(timeout=5).getMessage())
+    except queue.Empty:
+        pass
+    assert any("Exception in initializer:" in line and "ValueError: error in initializer" in line
+               for line in output), output
+
+
+def unpicklable_result(_=None):
+    import threading
+
+    return threading.Lock()
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_result_that_fails_to_pickle_gives_the_original_error_as_concurrent_futures(start_method):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(start_method)
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as stock:
+        stock_exc = stock.submit(unpicklable_result).exception(timeout=60)
+    with jt.Executor(1, start_method=start_method) as ex:
+        exc = ex.submit(unpicklable_result).exception(timeout=60)
+        # map too, and the executor keeps working afterwards
+        with pytest.raises(type(stock_exc)):
+            list(ex.map(unpicklable_result, range(2)))
+        assert ex.submit(square, 3).result(timeout=60) == 9
+    assert type(exc) is type(stock_exc) and str(exc) == str(stock_exc)  # TypeError: cannot pickle ...
+    assert not isinstance(exc, multiprocessing.pool.MaybeEncodingError)
+    assert "unpicklable_result" not in str(exc) and "pickl" in str(exc.__cause__)  # remote traceback
+    # The Pool keeps multiprocessing.Pool's contract.
+    with jt.Pool(1, start_method=start_method) as p:
+        with pytest.raises(multiprocessing.pool.MaybeEncodingError):
+            p.apply(unpicklable_result)
+
+
+def big_result(i, n=4 << 20):
+    return np.full(n // 8, i, dtype=np.float64)
+
+
+@pytest.mark.parametrize("chunksize", [1, 3])
+def test_map_keeps_no_reference_to_results_already_yielded(chunksize):
+    # concurrent.futures' map generator drops each result as it yields it: a large result's
+    # shared memory goes back to its worker once the caller drops it, not at the next next().
+    import gc
+    import weakref
+
+    from tests.conftest import wait_until
+
+    with jt.Executor(1) as ex:
+        it = ex.map(big_result, range(6), chunksize=chunksize)
+        first = next(it)
+        assert first[0] == 0 and first.nbytes == 4 << 20
+        ref = weakref.ref(first)
+        workers = ex._pool._state.workers
+
+        def held():  # received slots of the workers' shared memory still referenced here
+            return sum(len(w.mapper.live) for w in workers)
+
+        # Every result arrived (each in its own slot: the caller holds the first, the futures
+        # the others); then dropping the first gives its slot back at once.
+        assert wait_until(lambda: held() == 6, 60), held()
+        del first
+        gc.collect()
+        assert ref() is None
+        assert wait_until(lambda: held() == 5, 10), held()
+        rest = list(it)
+    assert [int(r[0]) for r in rest] == [1, 2, 3, 4, 5]
+
+
+class MyObject:
+    def my_method(self):
+        pass
+
+
+def make_dummy_object(_):
+    return MyObject()
+
+
+def capture(*args, **kwargs):
+    return args, kwargs
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_cpython_process_pool_executor_tests(start_method):
+    # CPython's Lib/test/test_concurrent_futures (executor.py, test_shutdown.py) against
+    # jt.Executor: the parts user code depends on.
+    import gc
+    import threading
+    import weakref
+
+    from tests.conftest import wait_until
+
+    with jt.Executor(2, start_method=start_method) as ex:
+        # test_submit_keyword
+        assert ex.submit(capture, 1, self=2, fn=3).result(timeout=60) == ((1,), {"self": 2, "fn": 3})
+        with pytest.raises(TypeError):
+            ex.submit(fn=capture, arg=1)
+        # test_map_exception
+        it = ex.map(divmod, [1, 1, 1, 1], [2, 3, 0, 5])
+        assert next(it) == (0, 1) and next(it) == (0, 1)
+        with pytest.raises(ZeroDivisionError):
+            next(it)
+        # test_free_reference: the iterator keeps no result alive. (The pool's thread that
+        # completed the future drops its own references right after: a bounded wait.)
+        for obj in ex.map(make_dummy_object, range(10)):
+            wr = weakref.ref(obj)
+            del obj
+            assert wait_until(lambda wr=wr: (gc.collect(), wr() is None)[1], 10)
+        # test_no_stale_references: a discarded future's call does not keep its arguments
+        my_object = MyObject()
+        collected = threading.Event()
+        ref = weakref.ref(my_object, lambda _: collected.set())  # noqa: F841
+        ex.submit(my_object.my_method)
+        del my_object
+        assert collected.wait(60) or (gc.collect() is not None and collected.wait(5))
+        # test_hang_issue12364: shutdown with many calls queued, all finish
+        fs = [ex.submit(time.sleep, 0.02) for _ in range(30)]
+    assert all(f.result(timeout=0) is None for f in fs)
+
+    # test_cancel_futures: with few workers, most of 50 queued calls are cancelled, the rest done
+    ex = jt.Executor(2, start_method=start_method)
+    fs = [ex.submit(time.sleep, 0.1) for _ in range(50)]
+    ex.shutdown(cancel_futures=True)
+    cancelled = [f for f in fs if f.cancelled()]
+    others = [f for f in fs if not f.cancelled()]
+    assert len(cancelled) > 20 and others
+    assert all(f.done() and f.exception() is None for f in others)
+
+    # test_hang_gh94440: shutdown(wait=True) right after a cancelled submit returns
+    ex = jt.Executor(1, start_method=start_method)
+    ex.submit(int).result(timeout=60)
+    ex.submit(int).cancel()
+    done = threading.Event()
+    threading.Thread(target=lambda: (ex.shutdown(wait=True), done.set()), daemon=True).start()
+    assert done.wait(60)
+
+
+class EventfulGCObj:
+    def __init__(self, mgr):
+        self.event = mgr.Event()
+
+    def __del__(self):
+        self.event.set()
+
+
+def raise_123():
+    raise RuntimeError(123)  # some comment
+
+
+def mul(x, y):
+    return x * y
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_cpython_process_pool_tests_worker_side(start_method):
+    # More of CPython's test_process_pool.py: chunksize checks, the remote traceback, arguments
+    # garbage-collected in the worker after the call, max_tasks_per_child with a backlog.
+    import multiprocessing
+
+    with jt.Executor(2, start_method=start_method) as ex:
+        ref = list(map(pow, range(40), range(40)))
+        for chunksize in (6, 50, 40):
+            assert list(ex.map(pow, range(40), range(40), chunksize=chunksize)) == ref
+        with pytest.raises(ValueError):
+            list(ex.map(pow, range(40), range(40), chunksize=-1))
+        # test_traceback
+        exc = ex.submit(raise_123).exception(timeout=60)
+        assert type(exc) is RuntimeError and exc.args == (123,)
+        assert "raise RuntimeError(123)  # some comment" in exc.__cause__.tb
+        # test_ressources_gced_in_workers
+        mgr = multiprocessing.get_context(start_method).Manager()
+        try:
+            obj = EventfulGCObj(mgr)
+            ex.submit(id, obj).result(timeout=60)
+            assert obj.event.wait(timeout=30)
+            del obj
+        finally:
+            mgr.shutdown()
+    # test_max_tasks_per_child_pending_tasks_gh115634
+    for max_workers, max_tasks, num_tasks in [(1, 2, 6), (2, 2, 8)]:
+        ex = jt.Executor(max_workers, start_method=start_method, max_tasks_per_child=max_tasks)
+        try:
+            futures = [ex.submit(mul, i, 2) for i in range(num_tasks)]
+            assert [f.result(timeout=120) for f in futures] == [i * 2 for i in range(num_tasks)]
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)

@@ -243,6 +243,70 @@ def test_queue_round_trip_is_faithful_and_aliases_shared_memory(method, no_fd_le
         q_in.close(), q_out.close()
 
 
+def echo_bytes(conn):
+    """CPython's test_multiprocessing echo child: answer each recv_bytes with send_bytes."""
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except EOFError:
+            return
+        except jt.TransportError as e:  # a message whose arrays are in shared memory
+            conn.send_bytes(b"refused: " + str(e).encode())
+            continue
+        if msg == b"STOP":
+            conn.close()
+            return
+        conn.send_bytes(msg)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_recv_bytes_of_a_send_message_as_the_stock_module(method, no_fd_leak):
+    import multiprocessing
+    import pickle
+
+    from jaxtransport.multiprocessing import _sharing
+
+    small = {"seq": [1, 2.25, None], "text": "x" * 50_000, "jax": jnp.arange(8, dtype=jnp.int8),
+             "np": np.arange(6.0)}  # a pickle larger than a packet: it travels in a slot
+    for ctx, kw in ((multiprocessing.get_context(method), {}), (jmp.get_context(method), {"shm_threshold": THRESH})):
+        a, b = ctx.Pipe(**kw)
+        p = ctx.Process(target=echo_bytes, args=(b,), daemon=True)
+        p.start()
+        b.close()
+        try:
+            a.send(small)
+            got = pickle.loads(a.recv_bytes())
+            assert got["seq"] == small["seq"] and got["text"] == small["text"]
+            np.testing.assert_array_equal(np.asarray(got["jax"]), np.arange(8, dtype=np.int8))
+            np.testing.assert_array_equal(got["np"], small["np"])
+            a.send(7)
+            assert pickle.loads(a.recv_bytes()) == 7
+            a.send_bytes(b"raw")
+            assert a.recv_bytes() == b"raw"
+            if ctx.__module__.startswith("jaxtransport"):
+                # Arrays in shared memory have no bytes: refused with why and what to use; the
+                # slot goes back to this sender (no leak), and the pipe keeps working.
+                prod = _sharing.producer()
+                prod.reap()
+                before = prod.held()[0]  # earlier tests' messages may still be held
+                a.send({"w": np.ones(1 << 14)})
+                msg = a.recv_bytes().decode()
+                assert msg.startswith("refused: recv_bytes() got a message sent with send()")
+                assert "shared memory" in msg and "recv()" in msg
+                assert wait_until(lambda pr=prod: (pr.reap(), pr.held()[0] <= before)[1], 10), (before, prod.held())
+                a.send("after")
+                assert pickle.loads(a.recv_bytes()) == "after"
+            a.send_bytes(b"STOP")
+            p.join(60)
+            assert p.exitcode == 0
+        finally:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+            p.close()
+            a.close()
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_pipe_round_trip(method, no_fd_leak):
     ctx = jmp.get_context(method)

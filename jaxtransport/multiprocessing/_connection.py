@@ -8,6 +8,8 @@ peer's buffer is full, as a multiprocessing pipe does).
 
 from __future__ import annotations
 
+import io
+import pickle
 import socket
 import time
 from multiprocessing import reduction as _reduction
@@ -112,7 +114,7 @@ class Connection:
             raise
 
     # -- receiving
-    def _recv(self):
+    def _recv(self, raw: bool = False):
         self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
@@ -122,7 +124,7 @@ class Connection:
                 packet, fds = _sharing.recv_packet(self._sock, nowait=True)
             except BlockingIOError:
                 continue
-            return _sharing.decode(packet, fds, self._placement)
+            return _sharing.decode(packet, fds, self._placement, raw=raw)
 
     def recv(self) -> Any:
         """The next object sent from the other end (blocks). EOFError once the other end is
@@ -131,16 +133,18 @@ class Connection:
         return obj.data if isinstance(obj, _Bytes) else obj
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        """The next message sent with ``send_bytes``."""
+        """The next message's bytes: what ``send_bytes`` sent, or, for a message sent with
+        ``send()``, its pickle (as the stock module: ``pickle.loads`` rebuilds the object, and
+        an echo peer may answer with ``send_bytes``). A ``send()`` message that carries arrays
+        in shared memory has no such bytes: TransportError (its memory is given back), use
+        ``recv()``. Nothing is unpickled here."""
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        obj = self._recv()
-        if not isinstance(obj, _Bytes):
-            raise OSError("recv_bytes() got a message sent with send(); use recv() for it")
-        if maxlength is not None and len(obj.data) > maxlength:
+        data = _bytes_of(self._recv(raw=True))
+        if maxlength is not None and len(data) > maxlength:
             self.close()
             raise OSError("bad message length")
-        return obj.data
+        return data
 
     def recv_bytes_into(self, buf, offset: int = 0) -> int:
         data = self.recv_bytes()
@@ -164,6 +168,29 @@ class Connection:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._sock.fileno()}"
         return f"<jaxtransport.multiprocessing.Connection {state}>"
+
+
+def _bytes_of(data: bytes) -> bytes:
+    """What ``recv_bytes`` returns for a message's pickle: the payload of ``send_bytes`` (a
+    pickled ``_Bytes``), else the pickle itself. Only ``_Bytes`` is ever unpickled here."""
+    if b"_Bytes" not in data[:160]:  # the class is named at the start of its pickle
+        return data
+    try:
+        obj = _OnlyBytes(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - any other class: a send() message
+        return data
+    return obj.data if type(obj) is _Bytes else data
+
+
+class _NotBytes(Exception):
+    pass
+
+
+class _OnlyBytes(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module == _Bytes.__module__ and name == "_Bytes":
+            return _Bytes
+        raise _NotBytes
 
 
 class _Bytes:

@@ -541,10 +541,15 @@ def _garbage(why: str) -> TransportError:
     )
 
 
-def decode(packet: bytes, fds: list[int], placement: str) -> Any:
+def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> Any:
     """Rebuild a message: map its segments (once per segment), claim its slots, and unpickle with
     arrays aliasing them. Raises ShmHandleError / TransportError for a corrupt message (its fds
-    closed, its slots released)."""
+    closed, its slots released).
+
+    ``raw`` (``Connection.recv_bytes``): return the message's pickle (bytes) without unpickling
+    it, as the stock ``recv_bytes`` returns a ``send()``'s bytes; a message whose arrays are in
+    shared memory has no such bytes (the pickle only names slots): its slots are given back at
+    once and TransportError says to use ``recv()``."""
     try:
         rec = pickle.loads(packet)
         magic, key, data, entries, segs, blob, live, bundled = rec
@@ -594,6 +599,19 @@ def decode(packet: bytes, fds: list[int], placement: str) -> Any:
             for t in tokens:  # no holder exists yet: give every claimed slot back
                 _write_release(m, t)
             raise
+        if raw:
+            for t in tokens:  # no holder: each claimed slot goes back now
+                _write_release(m, t)
+            _forget_dropped(c, key, m, live)
+            if entries:
+                raise TransportError(
+                    f"recv_bytes() got a message sent with send() that carries {len(entries)} object(s) "
+                    "in shared memory (arrays of at least shm_threshold bytes, or a SharedTree): its "
+                    "bytes only name shared-memory slots of the sender, so they cannot be returned as "
+                    "bytes. Receive such messages with recv(); the message is dropped and its memory "
+                    "given back to the sender."
+                )
+            return data
         releases = {tuple(h): t for h, t in zip(handles, tokens)}
         try:
             obj = _decode_entries(_wire, data, entries, m, placement, releases)

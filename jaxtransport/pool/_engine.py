@@ -18,18 +18,16 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any
 
 from .. import _lockorder, _procenv, _shm
 from . import _protocol, _wire
-from .._pickling import PICKLE_PROTOCOL
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
 from ._lifecycle import Lifecycle
 from ._results import CallbackRunner
 from ._scheduler import Chunk, Scheduler
 from ._trees import TreeBook
-from ._workers import WorkerRec, close_worker, start_worker
+from ._workers import InitCall, WorkerRec, close_worker, start_worker
 
 MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
@@ -57,20 +55,10 @@ def _register_atexit() -> None:
         atexit.register(_terminate_live_pools)
 
 
-def _dumps_in_band(obj: Any) -> bytes:
-    import io
-
-    from .._usercode import Pickler
-
-    f = io.BytesIO()
-    Pickler(f, protocol=PICKLE_PROTOCOL).dump(obj)
-    return f.getvalue()
-
-
 class Engine:
     def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
                  shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
-                 tree_type, results_reserve: int = 0):
+                 tree_type, results_reserve: int = 0, futures: bool = False):
         from ._manager import Manager
 
         self.ctx = multiprocessing.get_context(start_method)
@@ -83,9 +71,11 @@ class Engine:
         self.worker_env_overrides = dict(worker_env or {})
         self.devices_per_worker = devices_per_worker
         self.gpus = _procenv.gpu_ids()
-        self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
+        # Pickled anew as each worker starts, like the stock pools' initargs (Note [initargs]).
+        self.init_call = None if initializer is None else InitCall(initializer, initargs)
         self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
         self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
+        self.futures = futures  # an Executor's pool: concurrent.futures' error contract in workers
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
@@ -137,11 +127,12 @@ class Engine:
                                    overrides=self.worker_env_overrides, gpus=self.gpus)
         config = {
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
-            "capacity": self.worker_capacity, "initializer": self.init_blob,
+            "capacity": self.worker_capacity, "futures": self.futures,
             "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
         }
         return start_worker(self.ctx, start_method=self.start_method, index=index,
-                            serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks)
+                            serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks,
+                            init=self.init_call)
 
     def wake(self) -> None:
         fd = self.wake_w

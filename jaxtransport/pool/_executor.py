@@ -13,10 +13,25 @@ future that succeeded and has no done-callbacks is completed by the pool's manag
 itself (setting it only wakes its waiters: no user code, no hop); any other is completed by the
 pool's callback thread, which also runs the done-callbacks. Neither pickles or waits.
 Lock order: the executor's ``_lock`` is a leaf (nothing else is taken while holding it).
+
+Note [executor at exit]
+~~~~~~~~~~~~~~~~~~~~~~~
+``concurrent.futures.ProcessPoolExecutor`` runs what was submitted before the interpreter
+exits, waited for or not (``shutdown(wait=False)`` included; ``cancel_futures=True`` cancels
+only what had not started): its ``_python_exit`` is registered with
+``threading._register_atexit``, which runs before non-daemon threads are joined and before
+``atexit`` hooks, and joins each executor's manager thread once its work items are done. An
+Executor does the same: the first one registers :func:`_python_exit`, which marks the
+interpreter as shutting down (``submit`` raises ``RuntimeError('cannot schedule new futures
+after interpreter shutdown')`` from then on, an ``atexit`` hook's call included) and, for every
+live executor, waits until its pending and running calls are done, then closes and joins its
+pool. The ``atexit`` hook that terminates live Pools runs after it (a ``Pool`` keeps
+``multiprocessing.Pool``'s exit behaviour: terminated, unfinished tasks dropped).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import threading
@@ -31,6 +46,37 @@ from ._facade import Pool
 from ._results import AsyncResult
 
 __all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
+
+
+_live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+_global_shutdown = False
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def _python_exit() -> None:
+    """At interpreter exit: no more calls; wait for every live executor's calls, then end its
+    workers (Note [executor at exit])."""
+    global _global_shutdown
+    _global_shutdown = True
+    for ex in list(_live):
+        ex._finish_at_exit()
+
+
+def _register_exit() -> None:
+    # At the first Executor (importing jaxtransport has no side effects). threading's hook
+    # (Python >= 3.9) runs before non-daemon threads are joined, as concurrent.futures' does.
+    global _exit_registered, _global_shutdown
+    with _exit_lock:
+        if _exit_registered:
+            return
+        register = getattr(threading, "_register_atexit", None) or atexit.register
+        try:
+            register(_python_exit)
+        except RuntimeError:  # the interpreter is already shutting down
+            _global_shutdown = True
+            return
+        _exit_registered = True
 
 
 def _run_chunk(fn: Callable, chunk: list) -> list:
@@ -61,11 +107,24 @@ class Executor(concurrent.futures.Executor):
     raise :class:`BrokenExecutorError` (also a ``BrokenProcessPool``). Done-callbacks of the
     futures run in the pool's callback thread: keep them short (``submit`` from one is fine;
     ``shutdown(wait=True)`` from one is refused, as ``Pool.join`` from a callback is).
+    As in ``concurrent.futures``, calls submitted before the interpreter exits run to the end,
+    waited for or not (Note [executor at exit]); a result that does not pickle fails its future
+    with the pickling error itself; an initializer's exception is logged on the
+    ``concurrent.futures`` logger in the worker before the executor breaks.
     """
 
     def __init__(self, max_workers: int | None = None, initializer: Callable | None = None,
                  initargs: Iterable = (), *, max_tasks_per_child: int | None = None, **pool_kwargs: Any):
-        self._pool = Pool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
+        # concurrent.futures' checks and messages.
+        if isinstance(max_workers, int) and max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+        _register_exit()
+        self._pool = _FuturesPool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
         self._max_in_flight = 2 * self._pool._processes
         self._lock = _lockorder.lock("Executor._lock")
         self._wake = threading.Condition(self._lock)
@@ -75,6 +134,7 @@ class Executor(concurrent.futures.Executor):
         self._broken: BaseException | None = None
         self._dispatcher: threading.Thread | None = None
         self._reusable = False
+        _live.add(self)
 
     # -- submitting
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
@@ -131,16 +191,21 @@ class Executor(concurrent.futures.Executor):
                 futures.append(self.submit(_run_chunk, fn, chunk))
 
         def results():
+            # Holds no reference to what it yielded (as concurrent.futures): each future is
+            # popped and dropped before its value is yielded, a chunk's list popped item by
+            # item, so a large result's shared memory goes back once the caller drops it.
             try:
                 futures.reverse()
                 while futures:
-                    f = futures.pop()
                     left = None if end is None else end - time.monotonic()
-                    value = f.result(left)
                     if chunksize == 1:
-                        yield value
+                        yield _pop_result(futures, left)
                     else:
-                        yield from value
+                        chunk = _pop_result(futures, left)
+                        chunk.reverse()
+                        while chunk:
+                            yield chunk.pop()
+                        del chunk
             finally:
                 for f in futures:
                     f.cancel()
@@ -175,6 +240,18 @@ class Executor(concurrent.futures.Executor):
             raise BrokenExecutorError(f"This jaxtransport.Executor is broken: {self._broken}") from self._broken
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
+        if _global_shutdown:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit (Note [executor at exit]): run what was submitted, then end the
+        workers (a ``shutdown(wait=False)`` thread may be doing the same: both are idempotent)."""
+        self._wait_idle()
+        try:
+            self._pool.close()
+            self._pool.join()
+        except (PoolStateError, PoolTerminatedError):
+            pass
 
     def _ensure_dispatcher(self) -> None:
         if self._dispatcher is None:
@@ -259,6 +336,26 @@ class Executor(concurrent.futures.Executor):
 
     def __reduce__(self):
         raise TypeError("a jaxtransport.Executor cannot be pickled or sent to another process")
+
+
+class _FuturesPool(Pool):
+    """The Executor's pool: its workers follow concurrent.futures' contract where it differs
+    from multiprocessing's (a result that does not pickle fails with its own error, not
+    MaybeEncodingError; an initializer's error is logged on the ``concurrent.futures`` logger)."""
+
+    _futures = True
+
+
+def _pop_result(futures: list, timeout: float | None):
+    """The last future's result, the future popped first so no frame keeps it (its value)."""
+    fut = futures.pop()
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        futures.append(fut)  # still unfinished: cancelled with the rest
+        raise
+    finally:
+        del fut
 
 
 def _dispatch(ref: weakref.ref) -> None:

@@ -47,8 +47,11 @@ class Pool:
 
     Args:
       processes: number of workers (default: the CPUs this process may use).
-      initializer, initargs: ``initializer(*initargs)`` runs in each worker at start (cloudpickled).
-        If it raises, the pool is broken and pending calls raise PoolStateError.
+      initializer, initargs: ``initializer(*initargs)`` runs in each worker at start. They are
+        pickled as each worker starts, as ``multiprocessing.Pool`` does, so objects shared only
+        by inheritance (a ``multiprocessing.Queue``, ``Lock``, ``Value``) work; functions and
+        lambdas travel by value (``__main__`` code as the stock pool treats it). If it raises,
+        the pool is broken and pending calls raise PoolStateError.
       maxtasksperchild: a worker is replaced after this many task *chunks* (as multiprocessing).
       start_method: "spawn" (default) or "forkserver". "fork" is refused.
       shm_threshold: arrays (jax.Array, numpy.ndarray) of at least this many bytes travel through
@@ -81,6 +84,8 @@ class Pool:
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received
     as task arguments are writeable private copies; jax arrays and SharedTree leaves are read-only.
     """
+
+    _futures = False  # an Executor's pool (its subclass): concurrent.futures' error contract
 
     def __init__(
         self,
@@ -143,7 +148,7 @@ class Pool:
             maxtasksperchild=maxtasksperchild, start_method=start_method,
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
             shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
-            tree_type=SharedTree, results_reserve=results_reserve,
+            tree_type=SharedTree, results_reserve=results_reserve, futures=self._futures,
         )
         if args_reserve:
             try:

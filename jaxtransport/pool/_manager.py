@@ -25,6 +25,8 @@ from ._engine import MAX_EARLY_DEATHS, Engine
 from ._protocol import RELEASE_FLUSH_S
 from ._workers import WorkerRec, close_worker, signal_name
 
+INIT_EXIT_GRACE_S = 2.0  # how long a worker whose initializer failed may take to exit by itself
+
 
 def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
     """The exception an ErrorReport carries, with the remote traceback as ``__cause__``; a
@@ -212,6 +214,10 @@ class Manager:
             engine.early_deaths = 0
             return
         exc = rebuild_error(msg.error)
+        # The worker exits by itself once it has said so: let it (bounded), so that what its
+        # initializer logged or put on a queue is flushed (at exit, multiprocessing joins its
+        # queues' feeder threads), as a concurrent.futures worker's exit is what breaks its pool.
+        w.proc.join(INIT_EXIT_GRACE_S)
         engine.break_pool(PoolStateError(
             f"The pool's initializer raised {msg.error.type_name}: {msg.error.message} in worker pid "
             f"{w.pid}; the pool cannot start workers and is broken. Fix the initializer and create a "

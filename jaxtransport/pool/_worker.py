@@ -50,15 +50,18 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxtransport-parent-watch", daemon=True).start()
 
 
-def worker_main(conn, fdsock, config: bytes, block=None) -> None:
+def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = None) -> None:
     """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``block``: shared
     int64s where it records the chunk it starts and the parent marks chunks it took back, and
-    the cross-process lock over them (``_claim``; Note [started], Note [taking back a chunk])."""
+    the cross-process lock over them (``_claim``; Note [started], Note [taking back a chunk]);
+    ``init``: the pickled ``(initializer, initargs)``, unpickled once the environment is set
+    (Note [initargs] in ``_workers``)."""
     from ._claim import Cells
 
     cell = None if block is None else Cells(block)
     claim = None if cell is None else cell.lock
     cfg = pickle.loads(config)
+    cfg["initializer"] = init
     _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg["parent_pid"])
@@ -250,9 +253,16 @@ class _Worker:
         cfg = self.cfg
         try:
             if cfg["initializer"] is not None:
-                init, initargs = pickle.loads(cfg["initializer"])
+                from ._workers import loads_in_child
+
+                init, initargs = loads_in_child(cfg["initializer"])
                 init(*initargs)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
+            if cfg.get("futures"):
+                # An Executor's worker logs it where concurrent.futures' workers do.
+                import logging
+
+                logging.getLogger("concurrent.futures").critical("Exception in initializer:", exc_info=True)
             self.send(self.protocol.Ready(False, _pack_error(e)))
             return
         self.send(self.protocol.Ready(True, None))
@@ -372,12 +382,15 @@ class _Worker:
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
-        multiprocessing's do: one that does not pickle fails with MaybeEncodingError."""
+        multiprocessing's do: one that does not pickle fails with MaybeEncodingError (a Pool's),
+        or with the pickling error itself (an Executor's, as concurrent.futures)."""
         from multiprocessing.pool import MaybeEncodingError
 
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, by_value=False)
         except BaseException as e:  # noqa: BLE001
+            if self.cfg.get("futures"):
+                return False, _pack_error(e, note="while pickling the result"), [], ()
             bad = next((r for r in out if not _picklable(r)), out)
             return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
         try:
