@@ -213,12 +213,26 @@ def _main_reference(obj: Any) -> tuple | None:
 
 _token_lock = threading.Lock()
 _token_counter = itertools.count(1)
-_tokens: dict[int, tuple[Any, int]] = {}  # id(obj) -> (weakref to obj, token)
+_tokens: dict[int, tuple[Any, Any]] = {}  # id(obj) -> (weakref to obj, token)
+
+
+_sender: tuple[int, bytes] | None = None
+
+
+def _sender_id() -> tuple[int, bytes]:
+    """This process among all senders a receiver hears from: a parent receives from every
+    worker, a queue from every producer, and each one's counter starts at 1. The pid alone
+    could be reused; the random part tells the processes a forkserver forks apart."""
+    global _sender
+    pid = os.getpid()
+    if _sender is None or _sender[0] != pid:
+        _sender = (pid, os.urandom(8))
+    return _sender
 
 
 def _identity_token(obj: Any) -> Any:
-    """A token naming this object for as long as it lives, never reused for another object.
-    Objects without weak references (dicts, lists) are named by id."""
+    """A token naming this object for as long as it lives, never reused for another object,
+    unique across processes. Objects without weak references (dicts, lists) are named by id."""
     key = id(obj)
     with _token_lock:
         entry = _tokens.get(key)
@@ -227,8 +241,8 @@ def _identity_token(obj: Any) -> Any:
         try:
             ref = weakref.ref(obj, lambda r, key=key: _forget_token(key, r))
         except TypeError:
-            return ("id", key)
-        token = next(_token_counter)
+            return ("id", _sender_id(), key)
+        token = (_sender_id(), next(_token_counter))
         _tokens[key] = (ref, token)
         return token
 

@@ -1,11 +1,13 @@
 """jaxtransport.Pool behaves as multiprocessing.Pool where a user can tell: the remote
-traceback's class, MaybeEncodingError for results that do not pickle (a returned lambda
-included), worker tracebacks with file names and lines; and the smaller defects of the first
+traceback's class, MaybeEncodingError for results that do not pickle (where the stock pool
+raises it for a returned lambda or local function, jaxtransport returns it by value, as loky and
+Ray do), worker tracebacks with file names and lines; and the smaller defects of the first
 engine (a task right after an idle worker died, an initializer's error class from __main__, a
 Pool created inside a worker)."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -66,13 +68,29 @@ def test_remote_traceback_is_multiprocessings_class(pools):
         assert 'raise ValueError(f"bad {x}")' in str(e.__cause__)
 
 
-@pytest.mark.parametrize("fn", [make_lambda, make_lock], ids=["lambda", "lock"])
-def test_unpicklable_result_is_maybe_encoding_error_like_the_stock_pool(pools, fn):
-    ours, stock = (outcome(p, fn, 0) for p in pools)
+def test_unpicklable_result_is_maybe_encoding_error_like_the_stock_pool(pools):
+    ours, stock = (outcome(p, make_lock, 0) for p in pools)
     assert stock[0] == "raised" and type(stock[1]) is multiprocessing.pool.MaybeEncodingError
     assert ours[0] == "raised" and type(ours[1]) is multiprocessing.pool.MaybeEncodingError
-    assert "Error sending result" in str(ours[1])
+    assert "Error sending result" in str(ours[1]) and "lock" in str(ours[1])
     assert pools[0].apply(abs, (-2,)) == 2  # the worker is fine
+
+
+def make_partial_of_local(n):
+    def add(a, b):
+        return a + b + n
+
+    return functools.partial(add, 1)
+
+
+@pytest.mark.parametrize("fn, check", [
+    (make_lambda, lambda f: f() == 1),
+    (make_partial_of_local, lambda f: f(2) == 3 + 7),
+], ids=["lambda", "partial-of-local-function"])
+def test_results_the_stock_pool_cannot_send_come_back_by_value(pools, fn, check):
+    ours, stock = (outcome(p, fn, 7) for p in pools)
+    assert stock[0] == "raised" and type(stock[1]) is multiprocessing.pool.MaybeEncodingError
+    assert ours[0] == "ok" and check(ours[1])
 
 
 def test_a_task_right_after_an_idle_worker_died_runs_on_its_replacement():

@@ -323,12 +323,12 @@ class _Worker:
         self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
 
     def encode_results(self, out: list):
-        """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
-        multiprocessing's do: one that does not pickle fails with MaybeEncodingError."""
+        """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
+        do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError."""
         from multiprocessing.pool import MaybeEncodingError
 
         try:
-            prep = self.wire.prepare(out, threshold=self.threshold, by_value=False)
+            prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
             bad = next((r for r in out if not _picklable(r)), out)
             return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
@@ -339,12 +339,25 @@ class _Worker:
             return False, _pack_error(e, note="while sending the task's result back to the parent"), [], ()
         return True, enc.data, enc.entries, enc.segs
 
+    # Note [results travel as arguments do]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A result is pickled as an argument is: by reference where that works (module-level
+    # functions and classes, the script's top-level names, which the parent resolves in its
+    # own ``__main__``), by value with cloudpickle otherwise. So whatever went to a worker can
+    # come back: an optax optimizer (its ``chain.<locals>.init_fn``), a flax ``TrainState``
+    # holding one, a ``functools.partial`` over a local function, a lambda. loky and Ray do the
+    # same; ``multiprocessing.Pool`` pickles results by reference only and raises
+    # MaybeEncodingError for these. MaybeEncodingError remains for what cloudpickle cannot
+    # pickle either (a lock, an open socket). The parent's ``__main__`` is the script this
+    # worker runs as ``__mp_main__``, so the C pickler's by-reference pickle is sent as is
+    # (``prepare(to_parent=True)``) and the Python-level pickler runs only when it failed.
+
 
 def _picklable(obj) -> bool:
-    from .._pickling import PICKLE_PROTOCOL
+    from . import _wire
 
     try:
-        pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
+        _wire.prepare(obj, threshold=None, to_parent=True)
         return True
     except Exception:  # noqa: BLE001
         return False
