@@ -18,6 +18,7 @@ _PUBLIC = {
     "BrokenExecutorError": "._errors",
     "CorruptTransferError": "._errors",
     "DtypeUnavailableError": "._errors",
+    "MainGuardError": "._errors",
     "PlacementError": "._errors",
     "PoolStateError": "._errors",
     "PoolTerminatedError": "._errors",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._errors import BrokenExecutorError as BrokenExecutorError
     from ._errors import CorruptTransferError as CorruptTransferError
     from ._errors import DtypeUnavailableError as DtypeUnavailableError
+    from ._errors import MainGuardError as MainGuardError
     from ._errors import PlacementError as PlacementError
     from ._errors import PoolStateError as PoolStateError
     from ._errors import PoolTerminatedError as PoolTerminatedError
@@ -92,6 +94,7 @@ __all__ = [
     "CorruptTransferError",
     "DtypeUnavailableError",
     "Executor",
+    "MainGuardError",
     "PlacementError",
     "PlacementFallbackWarning",
     "Pool",

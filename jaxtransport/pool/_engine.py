@@ -129,9 +129,13 @@ class Engine:
         self.flags.check_running()
 
     # -- workers
-    def start_worker(self, index: int) -> WorkerRec:
-        env = _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
+    def worker_environ(self, index: int) -> dict:
+        """The variables worker ``index`` starts with (``_procenv.worker_env``)."""
+        return _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
                                    overrides=self.worker_env_overrides, gpus=self.gpus)
+
+    def start_worker(self, index: int) -> WorkerRec:
+        env = self.worker_environ(index)
         config = {
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
             "capacity": self.worker_capacity, "initializer": self.init_blob,

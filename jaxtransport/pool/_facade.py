@@ -32,8 +32,8 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from . import _wire
-from .. import _codec, _procenv, _shm
-from .._errors import PoolStateError
+from .. import _codec, _procenv, _shm, _usercode
+from .._errors import MainGuardError, PoolStateError
 from .._tracers import find_tracer
 from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
@@ -125,6 +125,9 @@ class Pool:
                 "of another Pool (daemonic processes may not have children). Run the nested work "
                 "in the task itself, or return it to the parent and submit it to the outer pool."
             )
+        unguarded = _usercode.unguarded_start("a jaxtransport.Pool")
+        if unguarded is not None:
+            raise MainGuardError(unguarded)
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
         # Default: half the free memory for the pool as a whole, half of that for the parent
         # (arguments, shared trees), the other half split among the workers (results).

@@ -53,6 +53,8 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(conn, fdsock, config: bytes, cell) -> None:
     """Entry point of a pool worker (a spawn/forkserver ``Process`` target). ``cell``: a shared
     int64 where it records the chunk it starts (Note [started])."""
+    if cell is not None:
+        cell.value = -2  # _workers.RUNNING: it got past bootstrapping (reached_worker_code)
     cfg = pickle.loads(config)
     _procenv.apply_environ(cfg["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
