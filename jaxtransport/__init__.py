@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 # jaxtransport imports neither JAX nor anything else heavy, so a Pool worker that runs numpy-only
 # tasks starts without JAX (it imports JAX when a task first needs it).
 _PUBLIC = {
-    "PLACEMENTS": "._codec",
+    "PLACEMENTS": "._nojax",
     "PlacementFallbackWarning": "._codec",
     "ArrayDeletedError": "._errors",
     "BrokenExecutorError": "._errors",
@@ -41,7 +41,7 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from ._codec import PLACEMENTS as PLACEMENTS
+    from ._nojax import PLACEMENTS as PLACEMENTS
     from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
     from ._errors import ArrayDeletedError as ArrayDeletedError
     from ._errors import BrokenExecutorError as BrokenExecutorError

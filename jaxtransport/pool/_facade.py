@@ -32,9 +32,9 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from . import _wire
-from .. import _codec, _procenv, _shm, _usercode
+from .. import _nojax, _procenv, _shm, _usercode
 from .._errors import MainGuardError, PoolStateError
-from .._tracers import find_tracer
+from .._nojax import find_tracer
 from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
@@ -118,7 +118,7 @@ class Pool:
             raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
         if shm_capacity is not None and (not isinstance(shm_capacity, int) or shm_capacity <= 0):
             raise ValueError(f"shm_capacity must be a positive int (bytes) or None, got {shm_capacity!r}")
-        _codec.check_placement(placement)
+        _nojax.check_placement(placement)
         if multiprocessing.current_process().daemon:
             raise PoolStateError(
                 "A jaxtransport.Pool cannot be created inside a daemonic process, such as a worker "
