@@ -67,7 +67,7 @@ def _dumps_in_band(obj: Any) -> bytes:
 class Engine:
     def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
                  shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
-                 tree_type, results_reserve: int = 0):
+                 tree_type, results_reserve: int = 0, preload_jax: bool = False):
         from ._manager import Manager
 
         self.ctx = multiprocessing.get_context(start_method)
@@ -83,6 +83,7 @@ class Engine:
         self.init_blob = None if initializer is None else _dumps_in_band((initializer, initargs))
         self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
         self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
+        self.preload_jax = preload_jax  # workers import JAX in the background once ready
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
@@ -140,6 +141,7 @@ class Engine:
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
             "capacity": self.worker_capacity, "initializer": self.init_blob,
             "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
+            "preload_jax": self.preload_jax,
         }
         return start_worker(self.ctx, start_method=self.start_method, index=index,
                             serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks)

@@ -76,6 +76,12 @@ class Pool:
         25% more), allocated at once (a new 4 KiB page costs ~1 s/GiB to fault in, on threads
         off your call's path). Within shm_capacity, else ValueError; a system without the
         memory raises ShmCapacityError from the first call that needs memory.
+      preload_jax: whether each worker imports JAX (and starts its backend) on a thread of its
+        own as soon as it is ready, so that the first task that needs JAX does not pay the
+        import (1.5-3 s). Default (None): when this process has imported JAX; a numpy-only
+        program that never imports JAX starts workers that never import it either. Costs
+        each worker JAX's memory (~100-200 MB) and CPU while it imports, shared with any task
+        already running there.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received
@@ -96,6 +102,7 @@ class Pool:
         shm_capacity: int | None = None,
         devices_per_worker: int | None = None,
         shm_reserve: int | tuple[int, int] | None = None,
+        preload_jax: bool | None = None,
     ):
         if start_method == "fork":
             raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
@@ -147,6 +154,7 @@ class Pool:
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
             shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
             tree_type=SharedTree, results_reserve=results_reserve,
+            preload_jax=_nojax.jax_loaded() if preload_jax is None else bool(preload_jax),
         )
         if args_reserve:
             try:

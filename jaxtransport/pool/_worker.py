@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -247,6 +248,8 @@ class _Worker:
             self.send(self.protocol.Ready(False, _pack_error(e)))
             return
         self.send(self.protocol.Ready(True, None))
+        if cfg.get("preload_jax") and "jax" not in sys.modules:
+            threading.Thread(target=_import_jax, name="jaxtransport-jax-import", daemon=True).start()
         done = 0
         maxtasks = cfg["maxtasks"]
         while True:
@@ -353,6 +356,18 @@ class _Worker:
     # pickle either (a lock, an open socket). The parent's ``__main__`` is the script this
     # worker runs as ``__mp_main__``, so the C pickler's by-reference pickle is sent as is
     # (``prepare(to_parent=True)``) and the Python-level pickler runs only when it failed.
+
+
+def _import_jax() -> None:
+    """Import JAX and start its default backend, off the task path (Pool(preload_jax=...)). A
+    task that needs JAX meanwhile waits on the import lock for what is left of it, never
+    longer than if it imported JAX itself; a numpy-only task runs beside it."""
+    try:
+        import jax
+
+        jax.devices()
+    except Exception:  # noqa: BLE001 - the task that needs JAX raises it with its own context
+        pass
 
 
 def _picklable(obj) -> bool:
