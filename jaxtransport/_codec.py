@@ -42,7 +42,6 @@ from ._errors import (
     ArrayDeletedError,
     CorruptTransferError,
     DtypeUnavailableError,
-    PlacementError,
     UnsupportedArrayError,
 )
 

@@ -30,8 +30,12 @@ def check_placement(placement: str) -> str:
 
 
 def jax_loaded() -> bool:
-    """Whether JAX has been imported in this process (else no JAX object exists in it)."""
-    return "jax" in sys.modules
+    """Whether JAX is imported in this process (else no JAX object exists in it). False while
+    another thread is still importing it (a Pool worker's background import, ``preload_jax``):
+    until that import is done, any code making a JAX object waits for it, so none exists, and
+    a numpy-only task need not wait for it either."""
+    mod = sys.modules.get("jax")
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
 
 
 def find_tracer(tree: Any, root: str = "") -> tuple[str, Any] | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-import sys
 import threading
 import types
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
+from .._nojax import jax_loaded
 from .._pickling import PICKLE_PROTOCOL
 from . import _protocol
 from .._errors import CorruptTransferError, ShmHandleError
@@ -111,7 +111,7 @@ def _routes(tree_type: type | None) -> dict:
     global _ROUTES_JAX
     if not _ROUTES:
         _ROUTES[np.ndarray] = _route_np
-    if not _ROUTES_JAX and "jax" in sys.modules:  # no jax.Array exists before JAX is imported
+    if not _ROUTES_JAX and jax_loaded():  # no jax.Array exists before JAX is imported
         from .. import _codec
 
         for t in _codec.concrete_array_types():
@@ -171,13 +171,13 @@ def _fast_table(tree_type: type | None) -> dict:
     only when copyreg's table changes size or JAX gets imported."""
     import copyreg
 
-    jax_loaded = "jax" in sys.modules
-    key = (len(copyreg.dispatch_table), jax_loaded)
+    loaded = jax_loaded()
+    key = (len(copyreg.dispatch_table), loaded)
     cached = _TABLES.get(tree_type)
     if cached is not None and cached[0] == key:
         return cached[1]
     table = dict(copyreg.dispatch_table)
-    if jax_loaded:  # no Tracer exists before JAX is imported
+    if loaded:  # no Tracer exists before JAX is imported
         from .._tracers import tracer_types
 
         for t in tracer_types():

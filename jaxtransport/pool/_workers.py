@@ -140,7 +140,6 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
     import multiprocessing.spawn
     import signal
     import subprocess
-    import sys
 
     data = multiprocessing.spawn.get_preparation_data("jaxtransport-pool-diagnosis")
     data.pop("authkey", None)
