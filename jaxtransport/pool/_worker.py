@@ -249,7 +249,7 @@ class _Worker:
             return
         self.send(self.protocol.Ready(True, None))
         if cfg.get("preload_jax") and "jax" not in sys.modules:
-            threading.Thread(target=_import_jax, name="jaxtransport-jax-import", daemon=True).start()
+            _start_jax_import()
         done = 0
         maxtasks = cfg["maxtasks"]
         while True:
@@ -358,16 +358,53 @@ class _Worker:
     # (``prepare(to_parent=True)``) and the Python-level pickler runs only when it failed.
 
 
-def _import_jax() -> None:
-    """Import JAX and start its default backend, off the task path (Pool(preload_jax=...)). A
-    task that needs JAX meanwhile waits on the import lock for what is left of it, never
-    longer than if it imported JAX itself; a numpy-only task runs beside it."""
-    try:
-        import jax
+# Note [JAX imported in the background]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Pool(preload_jax=...) has each worker import JAX on a thread of its own once it is ready, so
+# the first task that needs JAX does not pay the import. Two threads importing JAX's modules at
+# once is not safe: JAX's modules import each other in cycles, and a second thread that enters
+# the cycle elsewhere (unpickling ``jax._src.pjit.JitWrapped``, say) gets CPython's "partially
+# initialized module" ImportError where the import locks would deadlock. So while the
+# background import runs, ``builtins.__import__`` is wrapped: an import of ``jax``/``jaxlib``
+# (or below) by any other thread waits until the background import is done, then proceeds (it
+# finds everything imported). Import statements and pickle's class lookups go through
+# ``__import__``; jaxtransport's own code imports JAX with import statements. A task that does
+# not import JAX runs beside the import (sharing the GIL), and ``_nojax.jax_loaded()`` stays
+# False until the import is done, so encoding and decoding numpy data never touch JAX.
 
-        jax.devices()
-    except Exception:  # noqa: BLE001 - the task that needs JAX raises it with its own context
-        pass
+_jax_import_done = threading.Event()
+_jax_import_thread: int | None = None
+_JAX_PREFIXES = ("jax.", "jaxlib.")
+
+
+def _start_jax_import() -> None:
+    import builtins
+
+    original = builtins.__import__
+
+    def gated(name, globals=None, locals=None, fromlist=(), level=0):
+        if (level == 0 and not _jax_import_done.is_set() and (name in ("jax", "jaxlib") or name.startswith(_JAX_PREFIXES))
+                and threading.get_ident() != _jax_import_thread):
+            _jax_import_done.wait()
+        return original(name, globals, locals, fromlist, level)
+
+    def run():
+        global _jax_import_thread
+        _jax_import_thread = threading.get_ident()  # before its first import: it is never gated
+        try:
+            import jax
+
+            jax.devices()
+        except Exception:  # noqa: BLE001 - the task that needs JAX raises it with its own context
+            pass
+        finally:
+            _jax_import_done.set()
+            if builtins.__import__ is gated:  # unless someone wrapped it after us (then a pass-through)
+                builtins.__import__ = original
+
+    thread = threading.Thread(target=run, name="jaxtransport-jax-import", daemon=True)
+    builtins.__import__ = gated
+    thread.start()
 
 
 def _picklable(obj) -> bool:
