@@ -33,7 +33,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test]'
+	$(PIP) -e '.[ray,test,ecosystem]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)

@@ -48,6 +48,7 @@ BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
     ("first_call", "benchmarks.first_call"),
+    ("startup", "benchmarks.startup"),
     ("usercode", "benchmarks.usercode"),
     ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),

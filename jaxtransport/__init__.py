@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 # jaxtransport imports neither JAX nor anything else heavy, so a Pool worker that runs numpy-only
 # tasks starts without JAX (it imports JAX when a task first needs it).
 _PUBLIC = {
-    "PLACEMENTS": "._codec",
+    "PLACEMENTS": "._nojax",
     "PlacementFallbackWarning": "._codec",
     "ArrayDeletedError": "._errors",
     "BrokenExecutorError": "._errors",
     "CorruptTransferError": "._errors",
     "DtypeUnavailableError": "._errors",
+    "MainGuardError": "._errors",
     "PlacementError": "._errors",
     "PoolStateError": "._errors",
     "PoolTerminatedError": "._errors",
@@ -40,12 +41,13 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from ._codec import PLACEMENTS as PLACEMENTS
+    from ._nojax import PLACEMENTS as PLACEMENTS
     from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
     from ._errors import ArrayDeletedError as ArrayDeletedError
     from ._errors import BrokenExecutorError as BrokenExecutorError
     from ._errors import CorruptTransferError as CorruptTransferError
     from ._errors import DtypeUnavailableError as DtypeUnavailableError
+    from ._errors import MainGuardError as MainGuardError
     from ._errors import PlacementError as PlacementError
     from ._errors import PoolStateError as PoolStateError
     from ._errors import PoolTerminatedError as PoolTerminatedError
@@ -92,6 +94,7 @@ __all__ = [
     "CorruptTransferError",
     "DtypeUnavailableError",
     "Executor",
+    "MainGuardError",
     "PlacementError",
     "PlacementFallbackWarning",
     "Pool",

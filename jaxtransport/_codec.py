@@ -37,11 +37,11 @@ import jax
 import numpy as np
 
 from . import _compat
+from ._nojax import PLACEMENTS, check_placement
 from ._errors import (
     ArrayDeletedError,
     CorruptTransferError,
     DtypeUnavailableError,
-    PlacementError,
     UnsupportedArrayError,
 )
 
@@ -57,7 +57,6 @@ __all__ = [
     "nbytes",
 ]
 
-PLACEMENTS = ("device", "host", "preserve")
 FORMAT_VERSION = 1
 
 
@@ -75,16 +74,6 @@ class ArrayMeta(NamedTuple):
     prng_impl: str | None  # typed PRNG key implementation name, None for plain arrays
     sharding: tuple | None  # see _encode_sharding
     indices: tuple  # per buffer: ((start, stop), ...) into ``shape``; () = the whole array
-
-
-def check_placement(placement: str) -> str:
-    if placement not in PLACEMENTS:
-        raise PlacementError(
-            f"Unknown placement {placement!r}: use one of {', '.join(map(repr, PLACEMENTS))} "
-            "('device': the receiver's default device; 'host': numpy arrays; 'preserve': the "
-            "sender's sharding when the receiver has those devices)."
-        )
-    return placement
 
 
 def concrete_array_types() -> tuple[type, ...]:

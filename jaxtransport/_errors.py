@@ -18,6 +18,7 @@ __all__ = [
     "DtypeUnavailableError",
     "PlacementError",
     "WorkerLostError",
+    "MainGuardError",
     "PoolStateError",
     "PoolTerminatedError",
     "ShmCapacityError",
@@ -173,6 +174,13 @@ class PoolStateError(TransportError, ValueError):
     """A Pool was used after ``close()``/``terminate()``, or a pool object was misused (``join``
     before ``close``, a SharedTree of another pool or already released). Subclasses ValueError
     like ``multiprocessing.Pool``'s "Pool not running"."""
+
+
+class MainGuardError(TransportError):
+    """A pool or process was started by code that every spawned worker runs again: the top level
+    of the main script, outside ``if __name__ == "__main__":``. spawn and forkserver run the
+    main script in each new process (as ``__mp_main__``), so an unguarded start would start
+    processes from processes. A RuntimeError, as ``multiprocessing``'s own message for this."""
 
 
 class PoolTerminatedError(TransportError):

@@ -19,13 +19,13 @@ import copyreg
 import io
 import pickle
 import pickletools
-import sys
 from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
 
 from . import _errors
+from ._nojax import jax_loaded
 from ._registry import Registration
 
 # Every pickle jaxtransport writes: protocol 5 is the one with out-of-band buffers (PEP 574).
@@ -41,7 +41,7 @@ _JAX_KINDS = None  # (concrete jax.Array types, Tracer base class), once JAX is 
 def _jax_kinds():
     """(array types, Tracer) when JAX is imported in this process, else None."""
     global _JAX_KINDS
-    if _JAX_KINDS is None and "jax" in sys.modules:
+    if _JAX_KINDS is None and jax_loaded():
         from . import _codec
         from ._tracers import Tracer
 
@@ -55,7 +55,7 @@ class _NoSuchError(Exception):
 
 def tracer_error_type() -> type:
     """``TracerTransportError``, without importing JAX to name it where none can be raised."""
-    return _errors.TracerTransportError if "jax" in sys.modules else _NoSuchError
+    return _errors.TracerTransportError if jax_loaded() else _NoSuchError
 
 __all__ = [
     "register",

@@ -818,9 +818,9 @@ def collect_deferred() -> None:
     queues until the next JAX call or ``gc.collect()``: without this a dead array's slot could
     stay held while the process sits idle. Cheap; does nothing when JAX is not imported.
     """
-    import sys
+    from ._nojax import jax_loaded
 
-    if "jax" not in sys.modules:
+    if not jax_loaded():
         return
     from ._compat import collect_jax_garbage  # jaxlib's private hook, probed there
 

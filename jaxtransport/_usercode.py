@@ -46,7 +46,7 @@ from typing import Any
 
 from ._pickling import _Pickler
 
-__all__ = ["Pickler", "importable_main_names"]
+__all__ = ["Pickler", "importable_main_names", "unguarded_start"]
 
 _MAIN_NAMES = ("__main__", "__mp_main__")
 
@@ -213,12 +213,26 @@ def _main_reference(obj: Any) -> tuple | None:
 
 _token_lock = threading.Lock()
 _token_counter = itertools.count(1)
-_tokens: dict[int, tuple[Any, int]] = {}  # id(obj) -> (weakref to obj, token)
+_tokens: dict[int, tuple[Any, Any]] = {}  # id(obj) -> (weakref to obj, token)
+
+
+_sender: tuple[int, bytes] | None = None
+
+
+def _sender_id() -> tuple[int, bytes]:
+    """This process among all senders a receiver hears from: a parent receives from every
+    worker, a queue from every producer, and each one's counter starts at 1. The pid alone
+    could be reused; the random part tells the processes a forkserver forks apart."""
+    global _sender
+    pid = os.getpid()
+    if _sender is None or _sender[0] != pid:
+        _sender = (pid, os.urandom(8))
+    return _sender
 
 
 def _identity_token(obj: Any) -> Any:
-    """A token naming this object for as long as it lives, never reused for another object.
-    Objects without weak references (dicts, lists) are named by id."""
+    """A token naming this object for as long as it lives, never reused for another object,
+    unique across processes. Objects without weak references (dicts, lists) are named by id."""
     key = id(obj)
     with _token_lock:
         entry = _tokens.get(key)
@@ -227,8 +241,8 @@ def _identity_token(obj: Any) -> Any:
         try:
             ref = weakref.ref(obj, lambda r, key=key: _forget_token(key, r))
         except TypeError:
-            return ("id", key)
-        token = next(_token_counter)
+            return ("id", _sender_id(), key)
+        token = (_sender_id(), next(_token_counter))
         _tokens[key] = (ref, token)
         return token
 
@@ -355,3 +369,103 @@ class Pickler(_Pickler):
             None,
             _set_function_state,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Starting processes from code every spawned child runs again (the missing main guard)
+
+_trees_lock = threading.Lock()
+_trees: dict[str, ast.Module | None] = {}
+
+
+def _script_tree(path: str) -> ast.Module | None:
+    with _trees_lock:
+        if path not in _trees:
+            try:
+                with open(path, "rb") as f:
+                    _trees[path] = ast.parse(f.read(), filename=path)
+            except (OSError, SyntaxError, ValueError):
+                _trees[path] = None
+        return _trees[path]
+
+
+def _runs_unconditionally(stmts: list[ast.stmt], line: int) -> bool | None:
+    """Whether the statement holding ``line`` runs whenever the module runs (True), or not
+    surely (False: under the main guard, an ``if``, in a ``try`` that may catch the error)."""
+    for s in stmts:
+        if not (s.lineno <= line <= (s.end_lineno or s.lineno)):
+            continue
+        if isinstance(s, ast.If):
+            if _is_main_guard(s.test):  # its else branch runs in the children
+                return not any(b.lineno <= line <= (b.end_lineno or b.lineno) for b in s.body)
+            return False
+        if isinstance(s, (ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)):
+            if line < s.body[0].lineno:
+                return True  # the header
+            return _runs_unconditionally(s.body, line) is True
+        if isinstance(s, ast.Try) or type(s).__name__ == "TryStar":
+            return False
+        return True
+    return None
+
+
+_GUARD_FIX = (
+    'Put the code that starts it under `if __name__ == "__main__":` (the functions and classes '
+    "the tasks use stay at the top level), as the multiprocessing documentation's \"Safe importing "
+    'of main module\" asks.'
+)
+
+
+def unguarded_start(what: str) -> str | None:
+    """Why starting ``what`` (processes) from the calling code would fail in every spawned child
+    (a message for MainGuardError), or None. Two cases: this process is a spawn/forkserver child
+    still running the parent's main script as ``__mp_main__`` (multiprocessing's own check, which
+    raises a RuntimeError from ``Process.start``, reads the same flag); or the call comes from
+    the top level of the main script, outside ``if __name__ == "__main__":``, which every child
+    would run again. Costs a walk up the stack and, once per script, a parse of it."""
+    import multiprocessing.process
+
+    main = sys.modules.get("__main__")
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        script = "the main script"
+        frame = sys._getframe(1)
+        while frame is not None:  # runpy runs it in a temporary module named __mp_main__
+            if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+                script = f"{frame.f_code.co_filename}, line {frame.f_lineno}"
+            frame = frame.f_back
+        return (
+            f"{what} was started while this process was starting up: it is a worker spawned by "
+            f"another process, running that process's main script ({script}) as `__mp_main__`, "
+            f"and the script starts {what} outside `if __name__ == \"__main__\":`, so every worker "
+            f"would start processes of its own. {_GUARD_FIX}"
+        )
+    path = _main_script(main) if main is not None else None
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+                and os.path.abspath(code.co_filename) == path):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    tree = _script_tree(path)
+    if tree is None or not _runs_unconditionally(tree.body, line):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            source = f.read().splitlines()[line - 1].strip()
+    except (OSError, IndexError):
+        source = ""
+    shown = f" (`{source}`)" if source else ""
+    return (
+        f"{what} was started at the top level of {path}, line {line}{shown}, outside "
+        '`if __name__ == "__main__":`. The spawn and forkserver start methods start each worker '
+        "by running the main script again (as `__mp_main__`), so each worker would run this line "
+        f"too and try to start {what} of its own while it starts up; the workers would die before "
+        f"they are ready. {_GUARD_FIX}"
+    )

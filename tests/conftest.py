@@ -31,6 +31,17 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def memfd_mapped(address: int) -> bool:
+    """Whether ``address`` lies in a jaxtransport memfd mapping of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= address < hi:
+                return len(parts) >= 6 and "memfd:jaxtransport" in parts[5]
+    return False
+
+
 def popen_interruptible(args, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen`` whose child starts with SIGINT at its default (Python's
     KeyboardInterrupt). A test run started in the background by a non-interactive shell

@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import jaxtransport as jt
 from jaxtransport import _shm
 from jaxtransport._errors import ShmCapacityError
 
-from .conftest import run_python
+from .conftest import ROOT, run_python, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
@@ -216,7 +218,7 @@ _LAZY_SCRIPT = textwrap.dedent(
         if X64:
             import jax
             jax.config.update("jax_enable_x64", True)
-        with jt.Pool(1) as p:
+        with jt.Pool(1, preload_jax=False) as p:  # lazily, although this parent has JAX (x64)
             print("numpy", p.apply(numpy_task, (np.ones(1 << 20),)))
             print("numpy", p.apply(numpy_task, (np.ones(10),)))
             import jax, jax.numpy as jnp
@@ -253,6 +255,85 @@ def test_import_jaxtransport_imports_no_jax():
         "print('ok', sorted(set(jt.__all__) - set(dir(jt))))\n"
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok []", proc.stderr
+
+
+_NO_JAX_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import jaxtransport as jt
+    import jaxtransport.multiprocessing as jmp
+
+    def task(x):
+        import sys
+        return x * 2, "jax" in sys.modules
+
+    def jax_in_worker(_=None):
+        import sys
+        return "jax" in sys.modules
+
+    def echo(q_in, q_out):
+        q_out.put(q_in.get(timeout=60))
+
+    if __name__ == "__main__":
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: through shared memory
+        with jt.Pool(2) as p:
+            out = p.map(task, [big, np.ones(3)])
+            with p.share({"w": big}) as shared:
+                p.apply(jax_in_worker, (shared,))
+            assert all(np.array_equal(o, x * 2) for (o, _), x in zip(out, [big, np.ones(3)]))
+            print("pool", "jax" in sys.modules, [w for _, w in out])
+        with jt.Executor(1) as ex:
+            got, worker_jax = ex.submit(task, big).result(timeout=60)
+            print("executor", "jax" in sys.modules, worker_jax)
+        q_in, q_out = jmp.Queue(), jmp.Queue()
+        a, b = jmp.Pipe()
+        proc = jmp.Process(target=echo, args=(q_in, q_out))
+        proc.start()
+        q_in.put(big)
+        back = q_out.get(timeout=60)
+        proc.join(30)
+        a.send(big)
+        print("multiprocessing", "jax" in sys.modules, np.array_equal(back, big), np.array_equal(b.recv(), big))
+    """
+)
+
+
+def test_numpy_only_work_never_imports_jax(tmp_path):
+    """Issue 22: no JAX import the data does not need, in the parent or the workers."""
+    import subprocess
+
+    script = tmp_path / "numpy_only.py"  # a script: the Process target is its __main__.echo
+    script.write_text(_NO_JAX_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "pool False [False, False]",
+        "executor False False",
+        "multiprocessing False True True",
+    ], proc.stdout + proc.stderr[-2000:]
+
+
+def jax_in_worker(_=None):
+    return "jax" in sys.modules
+
+
+def _worker_imported_jax(pool) -> bool:
+    return pool.apply(jax_in_worker)
+
+
+@pytest.mark.parametrize("preload", [None, False])
+def test_workers_import_jax_in_the_background_when_the_parent_has_it(preload):
+    import jax  # noqa: F401  (this test's parent has JAX loaded)
+
+    with jt.Pool(1, preload_jax=preload) as p:
+        if preload is None:  # default: the parent has JAX, so the worker imports it unasked
+            assert wait_until(lambda: _worker_imported_jax(p), 60)
+        else:
+            time.sleep(1.0)  # time enough for a background import to have begun
+            assert not _worker_imported_jax(p)
+        assert p.apply(abs, (-2,)) == 2
 
 
 def _sum_and_echo(x):

@@ -19,7 +19,7 @@ import pytest
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
 
-from .conftest import run_python, wait_until
+from .conftest import memfd_mapped, run_python, wait_until
 
 METHODS = [m for m in ("spawn", "forkserver") if m in jmp.get_all_start_methods()]
 THRESH = 1 << 12  # small arrays still take the shared-memory path here
@@ -73,17 +73,6 @@ def _is_service_fd(fd: int) -> bool:
     except Exception:
         keep = set()
     return fd in keep
-
-
-def memfd_mapped(address: int) -> bool:
-    """Whether ``address`` lies in a jaxtransport memfd mapping of this process."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            lo, hi = (int(v, 16) for v in parts[0].split("-"))
-            if lo <= address < hi:
-                return len(parts) >= 6 and "memfd:jaxtransport" in parts[5]
-    return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -275,3 +275,45 @@ def test_top_level_names_exclude_the_main_guard():
     names: set[str] = set()
     _usercode._bound_names(tree.body, names)
     assert names == set("ABCEFGHIJLMNOPR") | {"np", "os", "d", "f", "K"}
+
+
+RESULT_CODE = textwrap.dedent(
+    """
+    import sys, threading
+    import jaxtransport as jt
+
+    def make_adder(n):
+        threading.Event().wait(0.3)  # both workers take one task each
+        return lambda x: x + n
+
+    def make_local(n):
+        def scaled(x):
+            return x * n
+        return scaled
+
+    if __name__ == "__main__":
+        with jt.Pool(2, start_method=sys.argv[1]) as p:
+            adders = p.map(make_adder, [1, 2, 3, 4], chunksize=1)
+            print("ADDERS", [f(10) for f in adders])
+            local = p.apply(make_local, (3,))
+            print("LOCAL", local(2), local.__name__)
+            again = p.apply(make_local, (5,))
+            print("AGAIN", again(2), local(2))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", START_METHODS)
+def test_functions_returned_from_main_by_value_stay_distinct(tmp_path, method):
+    """Lambdas and local functions come back by value (Note [results travel as arguments do]);
+    closures with the same code returned by different workers are different functions (each
+    worker's identity tokens are its own)."""
+    script = tmp_path / "returns_code.py"
+    script.write_text(RESULT_CODE)
+    proc = subprocess.run([sys.executable, str(script), method], env=_env(), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ADDERS [11, 12, 13, 14]" in proc.stdout, proc.stdout
+    assert "LOCAL 6 scaled" in proc.stdout, proc.stdout
+    assert "AGAIN 10 6" in proc.stdout, proc.stdout

@@ -29,7 +29,7 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import util as _util
 from typing import Any
 
-from .. import _codec
+from .. import _nojax
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 
@@ -39,7 +39,7 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 def _check_options(shm_threshold, placement) -> None:
     if not isinstance(shm_threshold, int) or isinstance(shm_threshold, bool) or shm_threshold < 0:
         raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
-    _codec.check_placement(placement)
+    _nojax.check_placement(placement)
 
 
 def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:

@@ -62,7 +62,7 @@ import numpy as np
 from .. import _shm
 from .._pickling import PICKLE_PROTOCOL
 from .._errors import ShmCapacityError, ShmHandleError, TransportError
-from .._tracers import find_tracer
+from .._nojax import find_tracer
 
 MAGIC = "jaxtransport.mp/1"
 HEADER = 64  # bytes before each slot's data (Note [queue slot lifetime])

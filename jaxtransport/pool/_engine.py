@@ -58,7 +58,7 @@ def _register_atexit() -> None:
 class Engine:
     def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
                  shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
-                 tree_type, results_reserve: int = 0, futures: bool = False):
+                 tree_type, results_reserve: int = 0, futures: bool = False, preload_jax: bool = False):
         from ._manager import Manager
 
         self.ctx = multiprocessing.get_context(start_method)
@@ -76,6 +76,7 @@ class Engine:
         self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
         self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
         self.futures = futures  # an Executor's pool: concurrent.futures' error contract in workers
+        self.preload_jax = preload_jax  # workers import JAX in the background once ready
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
@@ -122,13 +123,18 @@ class Engine:
         self.flags.check_running()
 
     # -- workers
-    def start_worker(self, index: int) -> WorkerRec:
-        env = _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
+    def worker_environ(self, index: int) -> dict:
+        """The variables worker ``index`` starts with (``_procenv.worker_env``)."""
+        return _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
                                    overrides=self.worker_env_overrides, gpus=self.gpus)
+
+    def start_worker(self, index: int) -> WorkerRec:
+        env = self.worker_environ(index)
         config = {
             "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
             "capacity": self.worker_capacity, "futures": self.futures,
             "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
+            "preload_jax": self.preload_jax,
         }
         return start_worker(self.ctx, start_method=self.start_method, index=index,
                             serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks,

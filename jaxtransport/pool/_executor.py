@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
-from .._tracers import find_tracer, tracer_error
+from .._nojax import find_tracer
 from ._facade import Pool
 from ._results import AsyncResult
 
@@ -154,6 +154,8 @@ class Executor(concurrent.futures.Executor):
             for obj, root in ((args, "args"), (kwargs, "kwargs"), (fn, "fn")):
                 found = find_tracer(obj, root)
                 if found is not None:
+                    from .._tracers import tracer_error
+
                     raise tracer_error(found[1], path=found[0] or root, where="in Executor.submit")
             with self._lock:
                 self._check_open()

@@ -32,9 +32,9 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from . import _wire
-from .. import _codec, _procenv, _shm
-from .._errors import PoolStateError
-from .._tracers import find_tracer
+from .. import _nojax, _procenv, _shm, _usercode
+from .._errors import MainGuardError, PoolStateError
+from .._nojax import find_tracer
 from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
@@ -79,6 +79,12 @@ class Pool:
         25% more), allocated at once (a new 4 KiB page costs ~1 s/GiB to fault in, on threads
         off your call's path). Within shm_capacity, else ValueError; a system without the
         memory raises ShmCapacityError from the first call that needs memory.
+      preload_jax: whether each worker imports JAX (and starts its backend) on a thread of its
+        own as soon as it is ready, so that the first task that needs JAX does not pay the
+        import (1.5-3 s). Default (None): when this process has imported JAX; a numpy-only
+        program that never imports JAX starts workers that never import it either. Costs
+        each worker JAX's memory (~100-200 MB) and CPU while it imports, shared with any task
+        already running there.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received
@@ -101,6 +107,7 @@ class Pool:
         shm_capacity: int | None = None,
         devices_per_worker: int | None = None,
         shm_reserve: int | tuple[int, int] | None = None,
+        preload_jax: bool | None = None,
     ):
         if start_method == "fork":
             raise ValueError(_procenv.fork_refused("jaxtransport.Pool"))
@@ -123,13 +130,16 @@ class Pool:
             raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
         if shm_capacity is not None and (not isinstance(shm_capacity, int) or shm_capacity <= 0):
             raise ValueError(f"shm_capacity must be a positive int (bytes) or None, got {shm_capacity!r}")
-        _codec.check_placement(placement)
+        _nojax.check_placement(placement)
         if multiprocessing.current_process().daemon:
             raise PoolStateError(
                 "A jaxtransport.Pool cannot be created inside a daemonic process, such as a worker "
                 "of another Pool (daemonic processes may not have children). Run the nested work "
                 "in the task itself, or return it to the parent and submit it to the outer pool."
             )
+        unguarded = _usercode.unguarded_start("a jaxtransport.Pool")
+        if unguarded is not None:
+            raise MainGuardError(unguarded)
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
         # Default: half the free memory for the pool as a whole, half of that for the parent
         # (arguments, shared trees), the other half split among the workers (results).
@@ -149,6 +159,7 @@ class Pool:
             shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
             shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
             tree_type=SharedTree, results_reserve=results_reserve, futures=self._futures,
+            preload_jax=_nojax.jax_loaded() if preload_jax is None else bool(preload_jax),
         )
         if args_reserve:
             try:

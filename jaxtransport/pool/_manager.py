@@ -23,7 +23,7 @@ from . import _protocol, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
 from ._engine import MAX_EARLY_DEATHS, Engine
 from ._protocol import RELEASE_FLUSH_S
-from ._workers import WorkerRec, close_worker, signal_name
+from ._workers import WorkerRec, close_worker, diagnose_start, signal_name
 
 INIT_EXIT_GRACE_S = 2.0  # how long a worker whose initializer failed may take to exit by itself
 
@@ -306,10 +306,16 @@ class Manager:
                     engine.dispatch()
                     return
         if engine.early_deaths >= MAX_EARLY_DEATHS:
+            if spawn_error is None and not w.reached_worker_code():
+                # It died running the main script as __mp_main__: show why (no lock held).
+                why = ("It died while starting up, before any jaxtransport code ran in it. "
+                       + diagnose_start(engine.worker_environ(w.index)))
+            else:
+                why = ("Check that the worker environment (worker_env, JAX_PLATFORMS, CUDA) and the "
+                       "initializer work (their output is on the workers' stderr).")
             engine.break_pool(WorkerLostError(
                 f"{MAX_EARLY_DEATHS} jaxtransport.Pool workers in a row died before they were ready "
-                f"(the last, pid {w.pid}, {self.how(code)}): the pool is broken. Check that the "
-                "worker environment (worker_env, JAX_PLATFORMS, CUDA) and the initializer work."
+                f"(the last, pid {w.pid}, {self.how(code)}): the pool is broken. {why}"
             ), cause=spawn_error)
         with engine.lock:
             engine.dispatch()

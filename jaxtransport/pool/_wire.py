@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-import sys
 import threading
 import types
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
+from .._nojax import jax_loaded
 from .._pickling import PICKLE_PROTOCOL
 from . import _protocol
 from .._errors import CorruptTransferError, ShmHandleError
@@ -111,7 +111,7 @@ def _routes(tree_type: type | None) -> dict:
     global _ROUTES_JAX
     if not _ROUTES:
         _ROUTES[np.ndarray] = _route_np
-    if not _ROUTES_JAX and "jax" in sys.modules:  # no jax.Array exists before JAX is imported
+    if not _ROUTES_JAX and jax_loaded():  # no jax.Array exists before JAX is imported
         from .. import _codec
 
         for t in _codec.concrete_array_types():
@@ -171,13 +171,13 @@ def _fast_table(tree_type: type | None) -> dict:
     only when copyreg's table changes size or JAX gets imported."""
     import copyreg
 
-    jax_loaded = "jax" in sys.modules
-    key = (len(copyreg.dispatch_table), jax_loaded)
+    loaded = jax_loaded()
+    key = (len(copyreg.dispatch_table), loaded)
     cached = _TABLES.get(tree_type)
     if cached is not None and cached[0] == key:
         return cached[1]
     table = dict(copyreg.dispatch_table)
-    if jax_loaded:  # no Tracer exists before JAX is imported
+    if loaded:  # no Tracer exists before JAX is imported
         from .._tracers import tracer_types
 
         for t in tracer_types():
@@ -258,10 +258,9 @@ class Prepared:
 
 
 def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
-    """Standard pickling (functions and classes by reference, as multiprocessing sends results),
-    with the array routes. None when ``obj`` needs the user-code pickler: it holds a Tracer (that
-    path names it) or something it cannot pickle by reference (``_ResultEncoder`` then sends
-    ``__main__`` code by value and refuses the rest, as multiprocessing does)."""
+    """Standard pickling (functions and classes by reference), with the array routes. None when
+    ``obj`` needs the user-code pickler: it holds a Tracer (that path names it) or something it
+    cannot pickle by reference (a lambda, a local function: they then travel by value)."""
     buf = io.BytesIO()
     p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(router.tree_type)
@@ -274,39 +273,14 @@ def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     return buf.getvalue()
 
 
-def _found_by_reference(obj: Any) -> bool:
-    """Whether ``obj`` (a function or class) is what its module and qualified name lead to."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    target: Any = module
-    for part in (getattr(obj, "__qualname__", "") or "").split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            return False
-    return target is obj
-
-
-class _ResultEncoder(_Encoder):
-    """Results: code defined in the script's ``__main__`` travels as arguments do (the parent
-    may hold it only by value); any other function or class that cannot be found by reference
-    (a lambda, a local function) fails to pickle, as in multiprocessing.Pool."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) not in (
-            "__main__", "__mp_main__", "builtins"
-        ) and not _found_by_reference(obj):
-            raise pickle.PicklingError(
-                f"Can't pickle {obj!r}: it is not found as {getattr(obj, '__module__', '?')}."
-                f"{getattr(obj, '__qualname__', '?')} (results are pickled by reference, as "
-                "multiprocessing.Pool sends them)"
-            )
-        return super().reducer_override(obj)
-
-
 def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None,
-            by_value: bool = True) -> Prepared:
+            to_parent: bool = False) -> Prepared:
     """Pickle ``obj``, setting aside arrays of at least ``threshold`` bytes (None: none).
-    ``by_value=False``: functions and classes only by reference (results, as multiprocessing:
-    a returned lambda fails to pickle here).
+    Whatever pickles by reference travels by reference; the rest (lambdas, closures, local
+    functions such as an optax optimizer's ``chain.<locals>.init_fn``) by value (Note [results
+    travel as arguments do]). ``to_parent``: the receiver is the process that spawned the
+    sender (a worker's results), whose ``__main__`` is the script a spawned worker runs as
+    ``__mp_main__``, so a pickle naming it is sent as is (the C pickler's fast path).
 
     Raises TracerTransportError (with the key path ``locate()`` finds) or the pickling error,
     before any shared memory is touched.
@@ -315,13 +289,13 @@ def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, l
     outer = getattr(_encoding, "router", None)  # pickling can nest (a reducer that pickles)
     router = _encoding.router = _Router(limit, tree_type)
     try:
-        data = _fast_pickle(obj, router) if by_value else _pickle_by_reference(obj, router)
+        data = _pickle_by_reference(obj, router) if to_parent else _fast_pickle(obj, router)
         if data is not None:
             return Prepared(data, router.found, router.trees)
         router = _encoding.router = _Router(limit, tree_type)
         buf = io.BytesIO()
         try:
-            (_Encoder if by_value else _ResultEncoder)(buf, router).dump(obj)
+            _Encoder(buf, router).dump(obj)
         except _pickling.tracer_error_type() as e:
             path = locate() if (locate is not None and e.path is None) else None
             if path is not None:

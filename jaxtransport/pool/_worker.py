@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -56,10 +57,12 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
     the cross-process lock over them (``_claim``; Note [started], Note [taking back a chunk]);
     ``init``: the pickled ``(initializer, initargs)``, unpickled once the environment is set
     (Note [initargs] in ``_workers``)."""
-    from ._claim import Cells
+    from ._claim import STARTED_ID, Cells
 
     cell = None if block is None else Cells(block)
     claim = None if cell is None else cell.lock
+    if cell is not None:
+        cell[STARTED_ID] = -2  # _workers.RUNNING: it got past bootstrapping (reached_worker_code)
     cfg = pickle.loads(config)
     cfg["initializer"] = init
     _procenv.apply_environ(cfg["env"])
@@ -266,6 +269,8 @@ class _Worker:
             self.send(self.protocol.Ready(False, _pack_error(e)))
             return
         self.send(self.protocol.Ready(True, None))
+        if cfg.get("preload_jax") and "jax" not in sys.modules:
+            _start_jax_import()
         done = 0
         maxtasks = cfg["maxtasks"]
         while True:
@@ -381,13 +386,13 @@ class _Worker:
         self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
 
     def encode_results(self, out: list):
-        """(ok, data, entries, segments) of a chunk's results. Results pickle by reference, as
-        multiprocessing's do: one that does not pickle fails with MaybeEncodingError (a Pool's),
+        """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
+        do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
         or with the pickling error itself (an Executor's, as concurrent.futures)."""
         from multiprocessing.pool import MaybeEncodingError
 
         try:
-            prep = self.wire.prepare(out, threshold=self.threshold, by_value=False)
+            prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
             if self.cfg.get("futures"):
                 return False, _pack_error(e, note="while pickling the result"), [], ()
@@ -400,12 +405,74 @@ class _Worker:
             return False, _pack_error(e, note="while sending the task's result back to the parent"), [], ()
         return True, enc.data, enc.entries, enc.segs
 
+    # Note [results travel as arguments do]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A result is pickled as an argument is: by reference where that works (module-level
+    # functions and classes, the script's top-level names, which the parent resolves in its
+    # own ``__main__``), by value with cloudpickle otherwise. So whatever went to a worker can
+    # come back: an optax optimizer (its ``chain.<locals>.init_fn``), a flax ``TrainState``
+    # holding one, a ``functools.partial`` over a local function, a lambda. loky and Ray do the
+    # same; ``multiprocessing.Pool`` pickles results by reference only and raises
+    # MaybeEncodingError for these. MaybeEncodingError remains for what cloudpickle cannot
+    # pickle either (a lock, an open socket). The parent's ``__main__`` is the script this
+    # worker runs as ``__mp_main__``, so the C pickler's by-reference pickle is sent as is
+    # (``prepare(to_parent=True)``) and the Python-level pickler runs only when it failed.
+
+
+# Note [JAX imported in the background]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Pool(preload_jax=...) has each worker import JAX on a thread of its own once it is ready, so
+# the first task that needs JAX does not pay the import. Two threads importing JAX's modules at
+# once is not safe: JAX's modules import each other in cycles, and a second thread that enters
+# the cycle elsewhere (unpickling ``jax._src.pjit.JitWrapped``, say) gets CPython's "partially
+# initialized module" ImportError where the import locks would deadlock. So while the
+# background import runs, ``builtins.__import__`` is wrapped: an import of ``jax``/``jaxlib``
+# (or below) by any other thread waits until the background import is done, then proceeds (it
+# finds everything imported). Import statements and pickle's class lookups go through
+# ``__import__``; jaxtransport's own code imports JAX with import statements. A task that does
+# not import JAX runs beside the import (sharing the GIL), and ``_nojax.jax_loaded()`` stays
+# False until the import is done, so encoding and decoding numpy data never touch JAX.
+
+_jax_import_done = threading.Event()
+_jax_import_thread: int | None = None
+_JAX_PREFIXES = ("jax.", "jaxlib.")
+
+
+def _start_jax_import() -> None:
+    import builtins
+
+    original = builtins.__import__
+
+    def gated(name, globals=None, locals=None, fromlist=(), level=0):
+        if (level == 0 and not _jax_import_done.is_set() and (name in ("jax", "jaxlib") or name.startswith(_JAX_PREFIXES))
+                and threading.get_ident() != _jax_import_thread):
+            _jax_import_done.wait()
+        return original(name, globals, locals, fromlist, level)
+
+    def run():
+        global _jax_import_thread
+        _jax_import_thread = threading.get_ident()  # before its first import: it is never gated
+        try:
+            import jax
+
+            jax.devices()
+        except Exception:  # noqa: BLE001 - the task that needs JAX raises it with its own context
+            pass
+        finally:
+            _jax_import_done.set()
+            if builtins.__import__ is gated:  # unless someone wrapped it after us (then a pass-through)
+                builtins.__import__ = original
+
+    thread = threading.Thread(target=run, name="jaxtransport-jax-import", daemon=True)
+    builtins.__import__ = gated
+    thread.start()
+
 
 def _picklable(obj) -> bool:
-    from .._pickling import PICKLE_PROTOCOL
+    from . import _wire
 
     try:
-        pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
+        _wire.prepare(obj, threshold=None, to_parent=True)
         return True
     except Exception:  # noqa: BLE001
         return False

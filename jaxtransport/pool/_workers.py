@@ -20,6 +20,10 @@ from . import _claim
 from ._senders import FrameReader, Sender
 
 
+STARTING = -1  # the shared cell's value until the worker's own code runs (worker_main sets RUNNING)
+RUNNING = -2  # the worker's code runs; no chunk started yet (chunk ids are >= 0)
+
+
 class WorkerRec:
     __slots__ = (
         "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sock", "sentinel", "mapper",
@@ -81,6 +85,12 @@ class WorkerRec:
             self.outstanding.remove(c)
         self.taken_back += len(back)
         return back
+
+    def reached_worker_code(self) -> bool:
+        """Whether the process got as far as jaxtransport's worker code: False when it died
+        while bootstrapping (unpickling its start data, running the main script as
+        ``__mp_main__``)."""
+        return self.cell[0] != STARTING
 
     def can_take(self) -> bool:
         if self.dead or self.retiring or self.stop_sent or self.fault is not None or self.held_back:
@@ -216,6 +226,67 @@ def close_worker(w: WorkerRec) -> None:
     for c in (w.sock, w.conn, w.fdsock):
         _quietly(c.close)
     _quietly(w.proc.close)
+
+
+# What a spawned child runs before any jaxtransport code: the parent's preparation data
+# (sys.path, working directory, the main script run as ``__mp_main__``), as
+# ``multiprocessing.spawn._main`` applies it.
+_BOOTSTRAP = """
+import pickle, sys
+import multiprocessing.process, multiprocessing.spawn
+data = pickle.load(sys.stdin.buffer)
+multiprocessing.process.current_process()._inheriting = True
+multiprocessing.spawn.prepare(data)
+"""
+
+DIAGNOSIS_TIMEOUT_S = 60.0
+
+
+def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
+    """Why workers die while bootstrapping, found by running the same bootstrap (the main
+    script as ``__mp_main__``, with the worker's environment) in a fresh interpreter whose
+    stderr is captured: a sentence and the tail of that stderr. Run only once a pool breaks
+    (a process start, seconds); bounded by ``timeout`` (its process group is killed then)."""
+    import multiprocessing.spawn
+    import signal
+    import subprocess
+
+    data = multiprocessing.spawn.get_preparation_data("jaxtransport-pool-diagnosis")
+    data.pop("authkey", None)
+    child_env = dict(os.environ)
+    for k, v in env.items():
+        if v is None:
+            child_env.pop(k, None)
+        else:
+            child_env[k] = str(v)
+    try:
+        proc = subprocess.Popen([multiprocessing.spawn.get_executable(), "-c", _BOOTSTRAP],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env=child_env, start_new_session=True)
+    except OSError as e:
+        return f"(jaxtransport could not run the start-up again to show why: {e})"
+    try:
+        _, err = proc.communicate(pickle.dumps(data), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        proc.communicate()
+        return (f"Running the same start-up again in a fresh interpreter did not finish within {timeout:.0f} s "
+                "(the main script runs a long computation at its top level?).")
+    finally:
+        _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))  # anything it left behind
+    text = err.decode("utf-8", "replace").rstrip()
+    if proc.returncode == 0:
+        return ("Running the same start-up again in a fresh interpreter (the main script as `__mp_main__`, the "
+                "worker's environment) succeeded, so the workers died later in their start (see their "
+                "output on stderr).")
+    tail = "\n".join(text.splitlines()[-20:])
+    guard = ""
+    if "bootstrapping phase" in text or "MainGuardError" in text:
+        guard = ('The main script starts processes outside `if __name__ == "__main__":`, which every '
+                 "worker runs again: guard the code that starts them with it. ")
+    return (f"{guard}Running the same start-up again in a fresh interpreter (the main script as "
+            f"`__mp_main__`, the worker's environment) exited with code {proc.returncode}; the end of its "
+            f"stderr:\n{tail}")
 
 
 def _quietly(fn: Any) -> None:
