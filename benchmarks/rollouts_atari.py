@@ -194,8 +194,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--actors", type=int, action="append", help="actor count (repeatable)")
     p.add_argument("--rounds", type=int, help="rounds at 2 actors (default 3, quick 1)")
     p.add_argument("--iterations", type=int, help="iterations per run (default 8, quick 5)")
+    p.add_argument("--run", action="append", choices=[_key(*r) for r in RUNS],
+                   help="only this run (repeatable; threads is always kept: the baseline)")
     args = p.parse_args(argv)
-    rows = run(args.quick, actors=args.actors, rounds=args.rounds, iterations=args.iterations)
+    runs = None
+    if args.run:
+        keep = set(args.run) | {"threads"}
+        runs = [r for r in _runs() if _key(*r) in keep]
+    rows = run(args.quick, actors=args.actors, rounds=args.rounds, iterations=args.iterations,
+               runs=runs)
     for line in check_targets(rows):
         print(line)
     return rows
