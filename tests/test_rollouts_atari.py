@@ -197,3 +197,15 @@ def test_threads_backend_runs_cartpole_too():
     result = cli.train(cfg, "none", out=io.StringIO(), err=io.StringIO())
     assert [it.lag for it in result.iterations] == [0.0] * 8
     assert np.mean(result.returns[-3:]) > 1.5 * result.returns[0], result.returns
+
+
+@requires_atari
+def test_threads_backend_atari_runs_repeat_exactly_in_one_process():
+    """Two threaded Atari runs in one process, on-policy (--max-lag 0), same seed: the
+    learner's final parameters are identical bit for bit (each run's actor threads build
+    their own environments from the seed, not ones a previous run left stepped)."""
+    cfg = cli.Config.for_env("pong", backend="threads", workers=2, envs=2, steps=12,
+                             iterations=2, frame_size=36, hidden=16, warmup=0, max_lag=0)
+    digests = [cli.train(cfg, "none", out=io.StringIO(), err=io.StringIO()).params_sha256
+               for _ in range(2)]
+    assert digests[0] == digests[1] != ""

@@ -251,9 +251,19 @@ def warm_up(warm: Warm) -> None:
 
     from . import _conv as conv
 
-    spec = warm.spec
     for slot in range(warm.workers) if warm.slot is None else (warm.slot,):
-        actor(spec, slot)
+        actor(warm.spec, slot)
+    compile_act(warm)
+
+
+def compile_act(warm: Warm) -> None:
+    """Compile the acting step for ``warm``'s shapes in this process (zeros in, dropped)."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import _conv as conv
+
+    spec = warm.spec
     params = jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype),
         jax.eval_shape(lambda: conv.init(jax.random.key(0), warm.actions, warm.hidden, STACK,

@@ -392,24 +392,37 @@ def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shap
     actor steps while the learner updates, and the learner's data is one update old. ``None``
     on ``params_q`` stops it. ``shape``: CartPole's ``(envs, frame_size, steps)``; an Atari
     run's ``warm`` (an ``_atari.Warm``) says everything instead."""
-    import queue as _queue
-
     import jax
 
-    _warm(_for_slot(warm, index))
     base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
     if isinstance(warm, atari.Warm):
-        spec, steps = warm.spec, warm.steps
-
-        def step(params, key):
-            return atari.rollout_task(params, spec, index, key, steps)
+        # This loop's own environments (not the process's registry, which a Pool worker
+        # shares between tasks): a run in a thread starts from its seed whatever ran before
+        # in this process, and closes them when it ends.
+        envs_of_actor = atari.Actor(warm.spec, index)
+        try:
+            atari.compile_act(warm)
+            _stream(index, params_q, traj_q, base, max_lag,
+                    lambda params, key: envs_of_actor.rollout(params, key, warm.steps))
+        finally:
+            envs_of_actor.close()
     else:
+        _warm(warm)
         envs, frame_size, steps = shape
         carry = [worker.initial_carry(jax.random.fold_in(base, 0), envs)]
 
         def step(params, key):
             traj, carry[0], compute = worker.rollout(params, carry[0], key, frame_size, steps)
             return traj, carry[0], compute, None
+
+        _stream(index, params_q, traj_q, base, max_lag, step)
+
+
+def _stream(index: int, params_q, traj_q, base, max_lag: int, step) -> None:
+    """:func:`actor_loop` once started: ``step(params, key)`` makes one rollout."""
+    import queue as _queue
+
+    import jax
 
     traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
     item = params_q.get()
