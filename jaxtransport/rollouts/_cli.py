@@ -214,6 +214,7 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
               "iteration)", file=out, flush=True)
         for it in range(cfg.iterations):
             keys = jax.random.split(jax.random.fold_in(k_steps, it), cfg.workers)
+            tasks: list[tuple]
             if cfg.atari:
                 tasks = [(spec, w, keys[w], cfg.steps) for w in range(cfg.workers)]
             else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,8 @@ class Rollout(NamedTuple):
     is fused into the jitted scan), and the off-policy lag in parameter versions (``None``
     where the data is on-policy by construction)."""
 
-    traj: object
-    carry: object
+    traj: Any
+    carry: Any
     compute_s: float
     act_s: float | None = None
     lag: float | None = None
