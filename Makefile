@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
-# Ray and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
+# Ray, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
 # and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
 # `make venv` is what `make test` installs (development).
 STAMP := $(VENV)/.installed
@@ -33,7 +33,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem]'
+	$(PIP) -e '.[ray,test,ecosystem,atari]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)

@@ -202,7 +202,19 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = argparse.ArgumentParser(add_help=False)
+    env.add_argument("--env", default="cartpole")
+    known, rest = env.parse_known_args(argv)
+    if known.env != "cartpole":
+        # Atari: actor threads against actor processes (benchmarks/rollouts_atari.py).
+        from . import rollouts_atari
+
+        rollouts_atari.GAME = known.env
+        return rollouts_atari.main(rest)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="--env pong (or another ALE game): the Atari benchmark, "
+                                "threads against processes (benchmarks/rollouts_atari.py)")
     p.add_argument("--quick", action="store_true", help="default policy size only, 8 iterations")
     p.add_argument("--backend", action="append", choices=("pool", "ray", "queue"),
                    help="only this backend (repeatable)")

@@ -53,6 +53,7 @@ BENCHMARKS = (
     ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
+    ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("queue", "benchmarks.queue"),
 )
 

@@ -291,7 +291,7 @@ class _InlineLagged(_Inline):
 
     def map(self, handle, tasks):
         stale = self._published[0]
-        return [(*worker.rollout(stale, *t), handle - 1) for t in tasks]
+        return [worker.Rollout(*worker.rollout(stale, *t), lag=handle - 1) for t in tasks]
 
 
 def test_learning_with_one_update_of_lag_is_corrected(monkeypatch):

@@ -17,10 +17,17 @@ back, decoding). ``--compare`` runs the same seed through the stock transport
 (``multiprocessing.Pool`` with spawn / Ray's default serialization) and through jaxtransport, and
 prints the speedup.
 
+``--env pong`` (any ALE game; the ``atari`` extra) replaces CartPole by Atari through
+gymnasium and ale-py: each actor steps a batch of ALE environments in Python (the GIL-bound
+case processes exist for), acts with a small convolutional policy, and sends stacked frames;
+``--backend threads`` runs the same actors as threads with ``queue.Queue`` (the
+cleanba/Sebulba design), the baseline ``benchmarks/rollouts_atari.py`` compares with.
+
 The parts live in private modules: ``_env`` (CartPole and its renderer),
 ``_policy`` (tile-coded MLP, REINFORCE, Adam), ``_worker`` (the jitted
-rollout and learner step), ``_backends`` (Pool / Ray, jaxtransport / stock) and
-``_report`` (progress bar and tables).
+rollout and learner step), ``_atari`` (ALE environments, the actor) and ``_conv`` (the Atari
+policy and learner step), ``_backends`` (Pool / Ray / streaming queue, jaxtransport / stock;
+threads) and ``_report`` (progress bar and tables).
 """
 
 from ._cli import Config as Config

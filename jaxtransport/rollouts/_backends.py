@@ -10,6 +10,15 @@ tasks)`` runs one rollout task per worker and returns the results in order, and
 
 The stock variants run the same loop through the same calls with ``multiprocessing.Pool``
 (spawn context) or Ray's default serialization: the only difference measured is the transport.
+
+``threads`` is the baseline without processes, the design of cleanba and Sebulba: actor
+threads in the learner's process, ``queue.Queue`` for parameters and trajectories, nothing
+serialized (:class:`ThreadsBackend`). It runs the same actor loop as the streaming ``queue``
+backend.
+
+Every backend runs either environment: a task is ``(carry, key, frame_size, steps)`` for
+CartPole and ``(spec, slot, key, steps)`` for Atari (``_worker.run_task``), whose environments
+stay in the process that steps them (``_atari``). ``map`` returns ``_worker.Rollout`` records.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+from . import _atari as atari
 from . import _worker as worker
 from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 
-BACKENDS = ("pool", "ray", "queue")
+BACKENDS = ("pool", "ray", "queue", "threads")
 TRANSPORTS = ("jaxtransport", "stock")
 
 # One XLA compute thread per worker when the workers fill the machine's cores: otherwise every
@@ -58,8 +68,20 @@ def _warm_up(env: dict[str, str], warm: tuple | None) -> None:
     compile the rollout for this run's shapes, so every worker pays compilation while the pool
     starts, not inside a timed iteration."""
     apply_environ(env)
-    if warm is not None:
+    _warm(warm)
+
+
+def _warm(warm: tuple | None) -> None:
+    """Compile (and for Atari, build the environments of ``warm.slot``) in this process."""
+    if isinstance(warm, atari.Warm):
+        atari.warm_up(warm)
+    elif warm is not None:
         worker.warm_up(*warm)
+
+
+def _for_slot(warm: tuple | None, slot: int) -> tuple | None:
+    """``warm`` for the actor of ``slot``: an Atari actor builds its environments at start."""
+    return warm._replace(slot=slot) if isinstance(warm, atari.Warm) else warm
 
 
 class Backend:
@@ -116,7 +138,8 @@ class _PoolBackend(Backend):
     _pool: Any
 
     def map(self, handle, tasks):
-        res = self._pool.starmap_async(worker.rollout, [(handle, *t) for t in tasks], chunksize=1)
+        res = self._pool.starmap_async(worker.run_task, [(handle, *t) for t in tasks],
+                                       chunksize=1)
         try:
             return res.get(self.timeout)
         except multiprocessing.TimeoutError:
@@ -190,6 +213,8 @@ class RolloutWorker:
     they do without jaxtransport."""
 
     def __init__(self, env: dict[str, str], warm: tuple | None, transport: str = "jaxtransport"):
+        # ``warm`` names this actor's slot for Atari (``_for_slot``): its environments are
+        # built here, at start, and live in this actor for the whole run.
         if transport == "stock":
             jt_ray = sys.modules.get("jaxtransport.ray")
             if jt_ray is not None and jt_ray.is_registered():
@@ -199,8 +224,8 @@ class RolloutWorker:
     def ready(self) -> int:
         return os.getpid()
 
-    def rollout(self, params, carry, key, frame_size: int, steps: int):
-        return worker.rollout(params, carry, key, frame_size, steps)
+    def rollout(self, params, *task):
+        return worker.run_task(params, *task)
 
 
 class RaySession:
@@ -304,7 +329,8 @@ class RayBackend(Backend):
             actor = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
                 RolloutWorker)
             env = worker_env(workers)
-            self._actors = [actor.remote(env, warm, transport) for _ in range(workers)]
+            self._actors = [actor.remote(env, _for_slot(warm, i), transport)
+                            for i in range(workers)]
         except BaseException:
             self.close()
             raise
@@ -344,23 +370,60 @@ class RayBackend(Backend):
 _READY = "ready"  # an actor's first message: started and compiled
 
 
-def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
-               shape: tuple, max_lag: int = 1) -> None:
-    """A streaming actor (``--backend queue``): steps its environments continuously, puts each
-    trajectory on ``traj_q`` with the version of the parameters that produced it, and picks up
-    the newest parameters the learner published (``params_q``) before each rollout. It stays at
-    most ``max_lag`` rollouts ahead of the learner's updates (rollouts so far <= newest version
-    + max_lag, versions counting the learner's updates from 1), then waits for a newer version:
-    with ``max_lag=1`` each actor steps while the learner updates, and the learner's data is
-    one update old. ``None`` on ``params_q`` stops it."""
-    import queue as _queue
+class _ActorItem(NamedTuple):
+    """A streaming actor's message on the trajectory queue (after its ``_READY``)."""
 
-    _warm_up(env, warm)
+    traj: Any
+    carry: Any
+    compute_s: float
+    act_s: float | None
+    version: int  # the parameter version that acted
+    actor: int  # the actor's index
+
+
+def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shape: tuple,
+               max_lag: int = 1) -> None:
+    """A streaming actor (``--backend queue`` in a process, ``--backend threads`` in a
+    thread): steps its environments continuously, puts each trajectory on ``traj_q`` with the
+    version of the parameters that produced it, and picks up the newest parameters the learner
+    published (``params_q``) before each rollout. It stays at most ``max_lag`` rollouts ahead
+    of the learner's updates (rollouts so far <= newest version + max_lag, versions counting
+    the learner's updates from 1), then waits for a newer version: with ``max_lag=1`` each
+    actor steps while the learner updates, and the learner's data is one update old. ``None``
+    on ``params_q`` stops it. ``shape``: CartPole's ``(envs, frame_size, steps)``; an Atari
+    run's ``warm`` (an ``_atari.Warm``) says everything instead."""
     import jax
 
-    envs, frame_size, steps = shape
     base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
-    carry = worker.initial_carry(jax.random.fold_in(base, 0), envs)
+    if isinstance(warm, atari.Warm):
+        # This loop's own environments (not the process's registry, which a Pool worker
+        # shares between tasks): a run in a thread starts from its seed whatever ran before
+        # in this process, and closes them when it ends.
+        envs_of_actor = atari.Actor(warm.spec, index)
+        try:
+            atari.compile_act(warm)
+            _stream(index, params_q, traj_q, base, max_lag,
+                    lambda params, key: envs_of_actor.rollout(params, key, warm.steps))
+        finally:
+            envs_of_actor.close()
+    else:
+        _warm(warm)
+        envs, frame_size, steps = shape
+        carry = [worker.initial_carry(jax.random.fold_in(base, 0), envs)]
+
+        def step(params, key):
+            traj, carry[0], compute = worker.rollout(params, carry[0], key, frame_size, steps)
+            return traj, carry[0], compute, None
+
+        _stream(index, params_q, traj_q, base, max_lag, step)
+
+
+def _stream(index: int, params_q, traj_q, base, max_lag: int, step) -> None:
+    """:func:`actor_loop` once started: ``step(params, key)`` makes one rollout."""
+    import queue as _queue
+
+    import jax
+
     traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
     item = params_q.get()
     n = 0
@@ -376,11 +439,36 @@ def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | 
             if newer is None:
                 return
             version, params = newer
-        traj, carry, compute = worker.rollout(params, carry, jax.random.fold_in(base, n + 1), frame_size, steps)
+        traj, carry_out, compute, act = step(params, jax.random.fold_in(base, n + 1))
         n += 1
-        traj_q.put((traj, carry, compute, version))
+        traj_q.put(_ActorItem(traj, carry_out, compute, act, version, index))
         del traj
         item = (version, params)
+
+
+def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
+               shape: tuple, max_lag: int = 1) -> None:
+    """A streaming actor process: sets the worker environment (before JAX initialises here),
+    then runs :func:`actor_loop`."""
+    apply_environ(env)
+    actor_loop(index, params_q, traj_q, warm, seed, shape, max_lag)
+
+
+def _shape(warm: tuple | None, shape: tuple | None) -> tuple:
+    if shape is not None or isinstance(warm, atari.Warm):
+        return shape or ()
+    if warm is None:
+        raise ValueError("a streaming backend needs the rollout shapes (envs, frame_size, steps)")
+    return tuple(warm[2:5])
+
+
+def _rollouts(items: list, version: int) -> list:
+    """Taken actor messages as ``_worker.Rollout`` records, in actor order (then production
+    order): which actor's trajectory arrived first varies from run to run, the learner's
+    batch then does not (with ``--max-lag 0`` it is the same, bit for bit, every run)."""
+    items = sorted(enumerate(items), key=lambda p: (p[1].actor, p[0]))
+    return [worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version)
+            for _, it in items]
 
 
 class QueueBackend(Backend):
@@ -415,10 +503,7 @@ class QueueBackend(Backend):
             ctx = jmp.get_context("spawn")
         else:
             ctx = multiprocessing.get_context("spawn")
-        if shape is None:
-            if warm is None:
-                raise ValueError("--backend queue needs the rollout shapes (envs, frame_size, steps)")
-            shape = tuple(warm[2:5])
+        shape = _shape(warm, shape)
         self.name = f"queue/{transport}"
         self.timeout = timeout
         self._stock = transport == "stock"
@@ -476,8 +561,7 @@ class QueueBackend(Backend):
         self._take(len(self._procs), ready=True)
 
     def map(self, handle, tasks):
-        out = [(traj, carry, compute, handle - version)
-               for traj, carry, compute, version in self._take(len(tasks), ready=False)]
+        out = _rollouts(self._take(len(tasks), ready=False), handle)
         self._published()
         return out
 
@@ -543,6 +627,114 @@ class QueueBackend(Backend):
         self._stop(0.0)
 
 
+class ThreadsBackend(Backend):
+    """The threaded actor-learner design of cleanba and Sebulba, as the baseline: ``workers``
+    actor threads in this process run :func:`actor_loop` (the streaming actors' loop), with a
+    ``queue.Queue`` of parameters per actor and one bounded ``queue.Queue`` of trajectories;
+    nothing is serialized, arrays pass by reference.
+
+    ``broadcast`` publishes one copy of the parameters for all actors (the learner's next
+    update donates its buffers; cleanba's actors ``device_put`` theirs for the same reason).
+    ``map`` is the queue backend's. The actors share this process's GIL with each other and
+    with the learner: JAX releases it while XLA runs (the learner's update, the policy's
+    forward pass), an environment written in Python or holding the GIL in C++ (ALE through
+    gymnasium) does not, so only one actor steps its environments at a time.
+
+    Threads cannot be killed: ``close``/``terminate`` ask the actors to stop and wait for each
+    up to the end of its current rollout (bounded: ``timeout``), then leave a stuck one behind
+    as a daemon thread, with a warning.
+    """
+
+    def __init__(self, workers: int, warm: tuple | None, timeout: float, seed: int = 0,
+                 shape: tuple | None = None, max_lag: int = 1):
+        import queue as _queue
+
+        shape = _shape(warm, shape)
+        self.name = "threads"
+        self.timeout = timeout
+        self._version = 0
+        self._errors: list[tuple[str, BaseException]] = []
+        self._traj: _queue.Queue = _queue.Queue(workers)
+        self._params: list[_queue.Queue] = [_queue.Queue() for _ in range(workers)]
+        self._threads = []
+        for i in range(workers):
+            t = threading.Thread(target=self._run, name=f"jaxtransport-rollouts-actor-{i}",
+                                 args=(i, warm, seed, shape, max_lag), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _run(self, index, warm, seed, shape, max_lag) -> None:
+        try:
+            actor_loop(index, self._params[index], self._traj, warm, seed, shape, max_lag)
+        except BaseException as e:  # noqa: BLE001 - reported by _take() on the learner's thread
+            self._errors.append((threading.current_thread().name, e))
+
+    def broadcast(self, params):
+        import jax
+        import jax.numpy as jnp
+
+        self._version += 1
+        item = (self._version, jax.tree.map(jnp.copy, params))
+        for q in self._params:
+            q.put(item)
+        return self._version
+
+    def wait_ready(self):
+        self._take(len(self._threads), ready=True)
+
+    def map(self, handle, tasks):
+        return _rollouts(self._take(len(tasks), ready=False), handle)
+
+    def _take(self, n: int, ready: bool) -> list:
+        import queue as _queue
+
+        deadline = time.monotonic() + self.timeout
+        out: list = []
+        while len(out) < n:
+            try:
+                item = self._traj.get(timeout=0.5)
+            except _queue.Empty:
+                if self._errors:
+                    name, exc = self._errors[0]
+                    raise RuntimeError(f"{self.name}: rollout actor thread {name} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                if time.monotonic() > deadline:
+                    raise _timeout_error(self.name, self.timeout) from None
+                continue
+            if isinstance(item, str):  # _READY
+                if ready:
+                    out.append(item)
+                continue
+            if ready:
+                raise RuntimeError(f"{self.name}: a trajectory arrived before every actor was ready")
+            out.append(item)
+        return out
+
+    def _stop(self, grace: float) -> None:
+        import queue as _queue
+
+        for q in self._params:
+            q.put(None)
+        deadline = time.monotonic() + grace
+        while any(t.is_alive() for t in self._threads) and time.monotonic() < deadline:
+            try:  # actors waiting to put a trajectory must get through to see the stop
+                self._traj.get(timeout=0.1)
+            except _queue.Empty:
+                pass
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            print(f"warning: {self.name}: actor threads {', '.join(stuck)} did not stop within "
+                  f"{grace:g}s (a thread cannot be killed); left running as daemon threads",
+                  file=sys.stderr, flush=True)
+
+    def close(self):
+        self._stop(self.timeout)
+
+    def terminate(self):
+        # A thread cannot be stopped mid-rollout: wait for the current one (bounded).
+        self._stop(min(self.timeout, 60.0))
+
+
 def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
     """On an existing cluster, wait (up to ``timeout`` s) until it offers ``workers`` CPUs:
     worker nodes that are still joining (``docker compose up``) would otherwise leave the tasks
@@ -577,7 +769,7 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
     of the learner's updates (``--backend queue``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if transport not in TRANSPORTS:
+    if backend != "threads" and transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
@@ -587,6 +779,8 @@ def make(backend: str, transport: str, workers: int, *, address: str | None = No
         return RayBackend(workers, transport, address, timeout, warm, session=session)
     if backend == "queue":
         return QueueBackend(workers, transport, warm, timeout, seed, max_lag=max_lag)
+    if backend == "threads":
+        return ThreadsBackend(workers, warm, timeout, seed, max_lag=max_lag)
     if transport == "stock":
         return StockPool(workers, warm, timeout)
     return JaxtransportPool(workers, warm, timeout)

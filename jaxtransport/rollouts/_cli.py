@@ -18,9 +18,12 @@ __all__ = ["Config", "IterationStats", "RunResult", "train", "main"]
 class Config:
     """Everything a run depends on. Defaults: ~1 minute on 2 cores, pixel-heavy trajectories
     (16 envs x 128 steps x 84x84 frames = 14 MiB per worker per iteration), 32 MiB of
-    parameters broadcast per iteration."""
+    parameters broadcast per iteration. ``env``: ``"cartpole"`` (in ``jax.numpy``) or an ALE
+    game (``"pong"``; the ``atari`` extra), whose defaults are :data:`ATARI_DEFAULTS` when
+    made with :meth:`for_env`."""
 
     backend: str = "pool"
+    env: str = "cartpole"
     address: str | None = None
     workers: int = 2
     iterations: int = 50
@@ -56,7 +59,30 @@ class Config:
             raise ValueError(f"--backend must be one of {backends.BACKENDS}, got {self.backend!r}")
         if self.address is not None and self.backend != "ray":
             raise ValueError("--address names a Ray cluster: use it with --backend ray")
+        if self.atari:
+            from . import _conv as conv
 
+            if self.frame_size < conv.MIN_FRAME:
+                raise ValueError(f"--frame-size must be >= {conv.MIN_FRAME} pixels for an "
+                                 f"Atari game, got {self.frame_size!r}")
+
+    @property
+    def atari(self) -> bool:
+        """An ALE game (anything but ``cartpole``)."""
+        return self.env != "cartpole"
+
+    @classmethod
+    def for_env(cls, env: str = "cartpole", **kwargs) -> "Config":
+        """A config for ``env`` whose unspecified sizes are that environment's defaults."""
+        if env != "cartpole":
+            kwargs = {**ATARI_DEFAULTS, **kwargs}
+        return cls(env=env, **kwargs)
+
+
+# An Atari iteration: 8 ALE environments x 64 steps per actor (x 4 frames skipped), 14 MiB of
+# stacked frames per actor; the conv policy's ~0.2 MiB is broadcast.
+ATARI_DEFAULTS = {"envs": 8, "steps": 64, "iterations": 30, "hidden": 64, "lr": 5e-4,
+                  "entropy_coef": 0.01}
 
 @dataclasses.dataclass
 class IterationStats:
@@ -70,6 +96,7 @@ class IterationStats:
     learner_s: float
     transport_s: float  # wall - compute - learner
     lag: float | None = None  # --backend queue: mean parameter versions behind the learner
+    act_s: float | None = None  # Atari: slowest actor's time choosing actions (of compute_s)
 
 
 @dataclasses.dataclass
@@ -79,6 +106,9 @@ class RunResult:
     config: Config
     param_bytes: int
     iterations: list[IterationStats]
+    # SHA-256 of the learner's final parameters (every leaf's bytes, in tree order): two runs
+    # whose every update was the same, bit for bit, end with the same digest.
+    params_sha256: str = ""
 
     @property
     def timed(self) -> list[IterationStats]:
@@ -98,12 +128,17 @@ class RunResult:
         return [it.mean_return for it in self.iterations]
 
 
+def _label(backend: str, transport: str) -> str:
+    return backend if backend == "threads" else f"{backend}/{transport}"
+
+
 def train(cfg: Config, transport: str, *, out: TextIO | None = None,
           err: TextIO | None = None, session: backends.RaySession | None = None) -> RunResult:
     """Run the loop with one transport; print a line per iteration to ``out`` and, when both
     ``out`` and ``err`` are terminals, a progress bar on ``err`` (``None``: stdout/stderr; pass
     ``io.StringIO()`` to silence). ``session``: the Ray connection for ``--backend ray``
-    (:class:`~._backends.RaySession`; default: the run starts its own).
+    (:class:`~._backends.RaySession`; default: the run starts its own). ``--backend threads``
+    moves nothing between processes: ``transport`` is only its label there.
 
     Start-up (starting the workers, compiling the rollout in each and the learner here) is
     done and reported before the first iteration: no iteration, warm-up included, counts it."""
@@ -115,23 +150,56 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     cfg.validate()
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    label = f"{cfg.backend}/{transport}"
+    label = _label(cfg.backend, transport)
     started = time.perf_counter()
     key = jax.random.key(cfg.seed)
     k_params, k_envs, k_steps = jax.random.split(key, 3)
-    params = policy.init(k_params, cfg.param_mb, cfg.hidden)
+    if cfg.atari:
+        from . import _atari as atari
+        from . import _conv as conv
+
+        spec = atari.Spec(atari.game_id(cfg.env), cfg.envs, cfg.frame_size, cfg.seed)
+        actions = atari.num_actions(spec.game_id)
+        params = conv.init(k_params, actions, cfg.hidden, atari.STACK, cfg.frame_size)
+        warm: tuple = atari.Warm(spec, cfg.steps, cfg.hidden, actions, cfg.workers)
+        carries: list = [None] * cfg.workers
+        what = f"{spec.game_id} ({actions} actions), {atari.STACK} stacked"
+        frames_desc = "stacked Atari frames"
+    else:
+        params = policy.init(k_params, cfg.param_mb, cfg.hidden)
+        carries = [worker.initial_carry(k, cfg.envs) for k in jax.random.split(k_envs, cfg.workers)]
+        warm = (params["table"].shape[0], cfg.hidden, cfg.envs, cfg.frame_size, cfg.steps)
+        what = "CartPole,"
+        frames_desc = "frames"
     opt = policy.adam_init(params)
     param_bytes = policy.num_bytes(params)
-    carries = [worker.initial_carry(k, cfg.envs) for k in jax.random.split(k_envs, cfg.workers)]
-    rows = params["table"].shape[0]
-    warm = (rows, cfg.hidden, cfg.envs, cfg.frame_size, cfg.steps)
     result = RunResult(cfg.backend, transport, cfg, param_bytes, [])
     bar = report.ProgressBar(cfg.iterations, err, label=label,
                              enabled=report.is_terminal(out) and report.is_terminal(err))
 
+    def learn(params, opt, trajs):
+        if cfg.atari:
+            return conv.learn(params, opt, trajs, cfg.lr, gamma=cfg.gamma,
+                              entropy_coef=cfg.entropy_coef)
+        return worker.learn(params, opt, trajs, cfg.lr, cfg.table_lr, frame_size=cfg.frame_size,
+                            gamma=cfg.gamma, entropy_coef=cfg.entropy_coef)
+
+    def warm_up_learner():
+        if cfg.atari:
+            zeros = jax.tree.map(jnp_zeros_like, (params, opt))
+            trajs = [atari.trajectory_shape(spec, cfg.steps) for _ in range(cfg.workers)]
+            jax.block_until_ready(learn(*zeros, trajs))
+        else:
+            worker.warm_up_learner(
+                params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
+                frame_size=cfg.frame_size, steps=cfg.steps, gamma=cfg.gamma,
+                entropy_coef=cfg.entropy_coef,
+            )
+
     print(
         f"# {label}: {cfg.workers} workers x {cfg.envs} envs x {cfg.steps} "
-        f"steps, {cfg.frame_size}x{cfg.frame_size} frames, policy {param_bytes / report.MiB:.1f} MiB",
+        f"steps, {what} {cfg.frame_size}x{cfg.frame_size} {frames_desc}, "
+        f"policy {param_bytes / report.MiB:.1f} MiB",
         file=out, flush=True,
     )
     print(f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
@@ -140,45 +208,47 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
                        warm=warm, timeout=cfg.task_timeout, session=session,
                        seed=cfg.seed, max_lag=cfg.max_lag) as be:
         # The workers start and compile in the background while the learner compiles here.
-        worker.warm_up_learner(
-            params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
-            frame_size=cfg.frame_size, steps=cfg.steps, gamma=cfg.gamma,
-            entropy_coef=cfg.entropy_coef,
-        )
+        warm_up_learner()
         be.wait_ready()
         print(f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any "
               "iteration)", file=out, flush=True)
         for it in range(cfg.iterations):
             keys = jax.random.split(jax.random.fold_in(k_steps, it), cfg.workers)
-            tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps) for w in range(cfg.workers)]
+            tasks: list[tuple]
+            if cfg.atari:
+                tasks = [(spec, w, keys[w], cfg.steps) for w in range(cfg.workers)]
+            else:
+                tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps)
+                         for w in range(cfg.workers)]
             start = time.perf_counter()
             handle = be.broadcast(params)
-            results = be.map(handle, tasks)
+            results = [worker.Rollout(*r) for r in be.map(handle, tasks)]
             be.release(handle)
             del handle
             # Stock unpickling may finish copying into JAX's buffers asynchronously: count
             # that as transport, not as the learner's time.
-            jax.block_until_ready(results)
+            jax.block_until_ready([(r.traj, r.carry) for r in results])
             gathered = time.perf_counter()
-            trajs = [r[0] for r in results]
-            carries = [r[1] for r in results]
-            compute = max(float(r[2]) for r in results)
-            # Streaming actors (--backend queue) report how many parameter versions behind the
-            # learner each trajectory's policy was, and overlap compute with the learner.
-            lag = sum(r[3] for r in results) / len(results) if len(results[0]) > 3 else None
+            trajs = [r.traj for r in results]
+            carries = [r.carry for r in results]
+            slowest = max(results, key=lambda r: float(r.compute_s))
+            compute = float(slowest.compute_s)
+            act = None if slowest.act_s is None else float(slowest.act_s)
+            # Streaming actors (--backend queue/threads) report how many parameter versions
+            # behind the learner each trajectory's policy was, and overlap compute with the
+            # learner.
+            lags = [r.lag for r in results if r.lag is not None]
+            lag = sum(lags) / len(lags) if lags else None
             moved = param_bytes * cfg.workers + sum(
-                policy.num_bytes(r[0]) + policy.num_bytes(r[1]) for r in results
+                policy.num_bytes(r.traj) + policy.num_bytes(r.carry) for r in results
             )
             finished = sum(float(t.finished_return_sum) for t in trajs)
             count = sum(int(t.finished_count) for t in trajs)
             if count:
                 mean_return = finished / count
-            else:  # nothing ended: the running episodes' returns so far (a lower bound)
-                mean_return = sum(float(c.state.ep_return.mean()) for c in carries) / len(carries)
-            params, opt, _ = worker.learn(
-                params, opt, trajs, cfg.lr, cfg.table_lr, frame_size=cfg.frame_size,
-                gamma=cfg.gamma, entropy_coef=cfg.entropy_coef,
-            )
+            else:  # nothing ended: the running episodes' returns so far (a bound)
+                mean_return = sum(float(_running_returns(c).mean()) for c in carries) / len(carries)
+            params, opt, _ = learn(params, opt, trajs)
             jax.block_until_ready(params)
             del trajs, results
             done = time.perf_counter()
@@ -194,28 +264,65 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
                 learner_s=learner,
                 transport_s=max(wall - compute - learner, 0.0),
                 lag=lag,
+                act_s=act,
             )
             result.iterations.append(stats)
             bar.clear()
             print(report.iteration_line(stats, cfg, warmup=it < cfg.warmup), file=out, flush=True)
             bar.update(it + 1, stats)
     bar.finish()
+    result.params_sha256 = params_digest(params)
     return result
+
+
+def params_digest(params) -> str:
+    """SHA-256 over every leaf's dtype, shape and bytes, in tree order."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def jnp_zeros_like(x):
+    import jax.numpy as jnp
+
+    return jnp.zeros_like(x)
+
+
+def _running_returns(carry):
+    """The running episodes' returns so far, from a carry of either environment."""
+    ep_return = getattr(carry, "ep_return", None)
+    return carry.state.ep_return if ep_return is None else ep_return
 
 
 def _parser() -> argparse.ArgumentParser:
     d = Config()
+    a = ATARI_DEFAULTS
     p = argparse.ArgumentParser(
         prog="python -m jaxtransport.rollouts",
-        description="Distributed CartPole-from-pixels rollouts with a REINFORCE learner: "
-        "measures how fast jax.Arrays move between the learner and its workers.",
+        description="Distributed rollouts (CartPole from pixels in jax.numpy, or an Atari game "
+        "through the Arcade Learning Environment) with an importance-weighted policy-gradient "
+        "learner: measures how fast jax.Arrays move between the learner and its actors.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--env", default=d.env,
+                   help="cartpole (jax.numpy, in the workers' jitted scan) or an ALE game "
+                   "(pong, breakout, space_invaders, ...: gymnasium + ale-py, "
+                   "pip install 'jaxtransport[atari]'), stepped in Python by each actor")
     p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
                    help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
                    "ray: one Ray actor per worker; queue: long-lived actors streaming "
                    "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
-                   "and picking up new parameters as the learner publishes them")
+                   "and picking up new parameters as the learner publishes them; threads: the "
+                   "same streaming actors as threads of this process with queue.Queue, nothing "
+                   "serialized (the cleanba/Sebulba design; no --transport)")
     p.add_argument("--address", default=None,
                    help="address of a running Ray cluster (head:6379, or auto); this machine "
                    "must be one of its nodes (ray start --address=...); none: start a local "
@@ -224,28 +331,34 @@ def _parser() -> argparse.ArgumentParser:
                    help="stock: multiprocessing's pickling / Ray's default serialization")
     p.add_argument("--compare", action="store_true",
                    help="run stock then jaxtransport with the same seed and print the speedup")
-    p.add_argument("--workers", type=int, default=d.workers, help="worker processes")
-    p.add_argument("--iterations", type=int, default=d.iterations, help="learner updates")
-    p.add_argument("--envs", type=int, default=d.envs, help="environments per worker")
-    p.add_argument("--steps", type=int, default=d.steps, help="steps per environment per iteration")
+    p.add_argument("--workers", type=int, default=d.workers, help="worker processes (actors)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help=f"learner updates (default {d.iterations}; Atari {a['iterations']})")
+    p.add_argument("--envs", type=int, default=None,
+                   help=f"environments per worker (default {d.envs}; Atari {a['envs']})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per environment per iteration (default {d.steps}; "
+                   f"Atari {a['steps']})")
     p.add_argument("--frame-size", type=int, default=d.frame_size,
                    help="observation frames are SIZE x SIZE uint8 pixels")
     p.add_argument("--param-mb", type=float, default=d.param_mb,
-                   help="policy size in MiB of float32 parameters (the embedding table grows)")
-    p.add_argument("--hidden", type=int, default=d.hidden, help="MLP width")
-    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate (dense layers)")
+                   help="CartPole's policy size in MiB of float32 parameters (the embedding "
+                   "table grows); the Atari policy is a fixed small convolutional network")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="width of the dense layer")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"Adam learning rate (default {d.lr:g}; Atari {a['lr']:g})")
     p.add_argument("--table-lr", type=float, default=d.table_lr,
-                   help="per-sample SGD step of the embedding table")
+                   help="CartPole: per-sample SGD step of the embedding table")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="fixes the policy, the environments and the actions: runs repeat exactly")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="leading iterations left out of the throughput table (compilation, "
                    "worker start-up); they still train")
     p.add_argument("--max-lag", type=int, default=d.max_lag,
-                   help="--backend queue: how many rollouts each actor may run ahead of the "
-                   "learner's updates (0: on-policy, acting and learning take turns; 1: actors "
-                   "step while the learner updates, on data one update old, which the learner "
-                   "corrects with truncated importance weights)")
+                   help="--backend queue/threads: how many rollouts each actor may run ahead of "
+                   "the learner's updates (0: on-policy, acting and learning take turns; 1: "
+                   "actors step while the learner updates, on data one update old, which the "
+                   "learner corrects with truncated importance weights)")
     p.add_argument("--task-timeout", type=float, default=d.task_timeout,
                    help="seconds an iteration's rollout tasks may take before the demo stops "
                    "with an error instead of waiting on a dead or hung worker")
@@ -253,19 +366,33 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    cfg = Config(
-        backend=args.backend, address=args.address, workers=args.workers,
-        iterations=args.iterations, envs=args.envs, steps=args.steps,
-        frame_size=args.frame_size, param_mb=args.param_mb, hidden=args.hidden, lr=args.lr,
+    parser = _parser()
+    args = parser.parse_args(argv)
+    env = args.env.lower() if args.env.lower() == "cartpole" else args.env
+    given = {k: getattr(args, k) for k in ("iterations", "envs", "steps", "lr")
+             if getattr(args, k) is not None}
+    cfg = Config.for_env(
+        env, backend=args.backend, address=args.address, workers=args.workers,
+        frame_size=args.frame_size, param_mb=args.param_mb, hidden=args.hidden,
         table_lr=args.table_lr, task_timeout=args.task_timeout, max_lag=args.max_lag,
-        seed=args.seed, warmup=args.warmup,
+        seed=args.seed, warmup=args.warmup, **given,
     )
     try:
         cfg.validate()
-    except ValueError as exc:
-        _parser().error(str(exc))
-    transports = ["stock", "jaxtransport"] if args.compare else [args.transport]
+        if cfg.backend == "threads" and (args.compare or args.transport == "stock"):
+            raise ValueError("--backend threads moves nothing between processes: it has no "
+                             "--transport and no --compare (run --backend queue --compare for "
+                             "the same actors as processes)")
+        if cfg.atari:
+            from . import _atari as atari
+
+            atari.game_id(cfg.env)  # the extra is installed and the game exists
+    except (ValueError, ImportError) as exc:
+        parser.error(str(exc))
+    if cfg.backend == "threads":
+        transports = ["none"]
+    else:
+        transports = ["stock", "jaxtransport"] if args.compare else [args.transport]
     runs = []
     session = None
     try:
@@ -285,4 +412,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             session.close()
     print(report.summary_table(runs), flush=True)
     return 0
-

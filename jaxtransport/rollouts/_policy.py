@@ -120,11 +120,31 @@ def reinforce_loss(dense: dict, bag: jax.Array, batch: Batch, entropy_coef: floa
     without a value function): -E[rho * log pi(a|o) * A] - entropy_coef * E[H(pi(.|o))], ``rho``
     = :func:`importance_weights` held constant, as a function of the dense parameters and the
     embedding-bag outputs ``bag`` (B, hidden)."""
-    logp = jax.nn.log_softmax(head(dense, bag))
+    return pg_loss(head(dense, bag), batch, entropy_coef)
+
+
+def pg_loss(logits: jax.Array, batch: Batch, entropy_coef: float) -> jax.Array:
+    """The importance-weighted policy-gradient surrogate of :func:`reinforce_loss` from the
+    policy's logits (B, actions): every policy the demo has (the tile-coded MLP of CartPole,
+    the convolutional one of Atari) takes its learner step through this one function.
+    ``batch.features`` is not read."""
+    logp = jax.nn.log_softmax(logits)
     chosen = jnp.take_along_axis(logp, batch.actions[:, None], axis=-1)[:, 0]
     rho = jax.lax.stop_gradient(importance_weights(chosen, batch.behaviour_logp))
     entropy = -(jnp.exp(logp) * logp).sum(-1)
     return -(rho * chosen * batch.advantages).mean() - entropy_coef * entropy.mean()
+
+
+def advantages(returns: jax.Array) -> jax.Array:
+    """Advantages from reward-to-go ``returns`` (T, E), flattened to (T * E,): the mean return
+    at the same step across all environments is the baseline (every rollout is cut after T
+    steps, so late steps see fewer future rewards whatever the actions were; a per-step
+    baseline removes that bias, a batch-wide mean would blame late actions), then
+    standardized. With a single environment there is nothing to compare with at a step: the
+    batch mean is the baseline."""
+    base = returns.mean(axis=1, keepdims=True) if returns.shape[1] > 1 else returns.mean()
+    adv = returns - base
+    return (adv / (adv.std() + 1e-6)).reshape(-1)
 
 
 def update(params: dict, opt: "Adam", batch: Batch, lr: float, table_lr: float,

@@ -21,7 +21,8 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def worker_noun(backend: str) -> str:
-    return {"ray": "Ray actors", "queue": "streaming actor processes"}.get(backend, "worker processes")
+    return {"ray": "Ray actors", "queue": "streaming actor processes",
+            "threads": "actor threads"}.get(backend, "worker processes")
 
 
 class ProgressBar:
@@ -63,12 +64,18 @@ class ProgressBar:
 
 
 def iteration_line(s: IterationStats, cfg: Config, warmup: bool) -> str:
-    ret = f"{s.mean_return:6.1f}" if s.episodes else f">={s.mean_return:4.0f}"
+    if s.episodes:
+        ret = f"{s.mean_return:6.1f}"
+    elif getattr(cfg, "atari", False):  # running episodes' returns so far: no bound either way
+        ret = f"~{s.mean_return:5.1f}"
+    else:  # CartPole: the running episodes' returns so far are a lower bound
+        ret = f">={s.mean_return:4.0f}"
     return (
         f"iter {s.iteration:3d}/{cfg.iterations}  return {ret} ({s.episodes:3d} episodes)  "
         f"{s.env_steps / max(s.wall_s, 1e-12) / 1e3:7.1f}k steps/s  "
         f"transport {s.transport_s:6.3f}s  compute {s.compute_s:6.3f}s  "
         f"learner {s.learner_s:6.3f}s"
+        + (f"  (acting {s.act_s:.3f}s)" if getattr(s, "act_s", None) is not None else "")
         + (f"  lag {s.lag:.1f}" if getattr(s, "lag", None) is not None else "")
         + ("  (warm-up)" if warmup else "")
     )
@@ -94,6 +101,10 @@ COLUMNS = ("run", "env steps/s", "MiB moved/iter", "transport s/iter", "compute 
 def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
     """One row per run; the speedup is against the stock run of the same backend, if any."""
     stock = {r.backend: r.steps_per_s for r in runs if r.transport == "stock"}
+    # Threads move nothing: their speedup column compares with stock multiprocessing's
+    # streaming queue, the same actors as processes, when it ran too.
+    if "queue" in stock:
+        stock["threads"] = stock["queue"]
     rows = []
     for r in runs:
         n = len(r.timed)
@@ -102,7 +113,7 @@ def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
         speedup = f"{r.steps_per_s / base:.2f}x" if base else "n/a (use --compare)"
         tail = r.returns[-3:]
         rows.append([
-            f"{r.backend}/{r.transport}",
+            r.backend if r.backend == "threads" else f"{r.backend}/{r.transport}",
             f"{r.steps_per_s:,.0f}",
             f"{r.total('bytes_moved') / n / MiB:.1f}",
             f"{r.total('transport_s') / n:.3f}",
@@ -126,17 +137,20 @@ def summary_table(runs: Sequence[RunResult]) -> str:
     cfg = runs[0].config
     steps = cfg.workers * cfg.envs * cfg.steps
     timed = len(runs[0].timed)
+    env = cfg.env if getattr(cfg, "atari", False) else "CartPole"
+    frames = (f"{cfg.frame_size}x{cfg.frame_size} uint8 frames, 4 stacked"
+              if getattr(cfg, "atari", False) else f"{cfg.frame_size}x{cfg.frame_size} uint8 frames")
     head = [
-        f"## Rollouts: {cfg.backend} backend, {cfg.workers} workers",
+        f"## Rollouts: {env}, {cfg.backend} backend, {cfg.workers} workers",
         "",
         f"{steps:,} env steps per iteration ({cfg.workers} workers x {cfg.envs} envs x "
-        f"{cfg.steps} steps, {cfg.frame_size}x{cfg.frame_size} uint8 frames); policy "
+        f"{cfg.steps} steps, {frames}); policy "
         f"{runs[0].param_bytes / MiB:.1f} MiB; figures over {timed} iterations after "
         f"{min(cfg.warmup, len(runs[0].iterations) - timed)} warm-up.",
         f"Environment: {environment()}.",
         "transport = iteration wall time - slowest worker's compute - learner update.",
     ]
-    if cfg.backend == "queue":
+    if cfg.backend in ("queue", "threads"):
         head.append(
             f"Streaming actors (--max-lag {cfg.max_lag}): actors compute while the learner updates, "
             "so compute + learner can exceed the wall time (transport then reads 0)."
@@ -152,13 +166,24 @@ def summary_table(runs: Sequence[RunResult]) -> str:
             f"{b.steps_per_s / a.steps_per_s:.2f}x\n"
             f"learning curves identical across transports: {'yes' if same else 'NO'}"
         )
+        if a.params_sha256 and b.params_sha256:
+            same_params = a.params_sha256 == b.params_sha256
+            text += ("\nlearner's final parameters identical across transports (SHA-256, every "
+                     f"update bit for bit): {'yes' if same_params else 'NO'}")
         if cfg.backend == "queue" and not same:
             text += (" (expected when streaming: which actor's trajectory arrives first, and "
                      "with which parameters, varies from run to run)")
     for r in runs:
+        acts = [it.act_s for it in r.timed if it.act_s is not None]
+        if acts:
+            compute = sum(it.compute_s for it in r.timed if it.act_s is not None)
+            per_step = sum(acts) / len(acts) / cfg.steps
+            text += (f"\n{table_rows([r])[0][0]}: acting (the policy's forward pass and sampling, "
+                     f"in the slowest actor) {per_step * 1e3:.2f} ms per step of {cfg.envs} "
+                     f"envs, {100 * sum(acts) / max(compute, 1e-12):.0f}% of the actors' compute")
         lags = [it.lag for it in r.timed if it.lag is not None]
         if lags:
-            text += (f"\n{r.backend}/{r.transport}: off-policy lag per update: "
+            text += (f"\n{table_rows([r])[0][0]}: off-policy lag per update: "
                      f"{sum(lags) / len(lags):.2f} parameter versions on average, at most "
                      f"{max(lags):g}")
     return text

@@ -21,13 +21,28 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from . import _atari as atari
 from . import _env as env
 from . import _policy as policy
+
+
+class Rollout(NamedTuple):
+    """One rollout's result as the training loop sees it, whichever backend carried it:
+    the trajectory, the environments' carry, the seconds the rollout took in its actor
+    (``compute_s``), of which choosing actions (``act_s``; ``None`` for CartPole, whose acting
+    is fused into the jitted scan), and the off-policy lag in parameter versions (``None``
+    where the data is on-policy by construction)."""
+
+    traj: Any
+    carry: Any
+    compute_s: float
+    act_s: float | None = None
+    lag: float | None = None
 
 
 class Carry(NamedTuple):
@@ -114,6 +129,15 @@ def rollout(params, carry: Carry, key, frame_size: int, steps: int):
     return traj, carry, time.perf_counter() - start
 
 
+def run_task(params, *task):
+    """A worker's task, either environment (top level: every backend ships it by reference):
+    ``(carry, key, frame_size, steps)`` runs :func:`rollout` (CartPole), ``(spec, slot, key,
+    steps)`` with an ``_atari.Spec`` runs ``_atari.rollout_task``. Returns a :class:`Rollout`."""
+    if task and isinstance(task[0], atari.Spec):
+        return Rollout(*atari.rollout_task(params, *task))
+    return Rollout(*rollout(params, *task))
+
+
 def _features(traj: Trajectory, frame_size: int) -> jax.Array:
     """The policy's inputs, recomputed from the frames: each frame is read once."""
     seen = env.read_frame(traj.frames, frame_size)  # (T + 1, E, 2)
@@ -144,13 +168,7 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
         # episode's rewards stand in for the truncated one's future.
         rets.append(policy.discounted_returns(traj.rewards.T, traj.failures.T, gamma).T)
     feats, acts, logps, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, logps, rets))
-    # Baseline: the mean return at the same step across all environments. Every rollout is cut
-    # after `steps` steps, so late steps see fewer future rewards whatever the actions were; a
-    # per-step baseline removes that bias (a batch-wide mean would blame late actions).
-    # With a single environment in all there is nothing to compare with at a step: fall back
-    # to the batch mean.
-    adv = rets - (rets.mean(axis=1, keepdims=True) if rets.shape[1] > 1 else rets.mean())
-    adv = (adv / (adv.std() + 1e-6)).reshape(-1)
+    adv = policy.advantages(rets)
     feats, acts, logps = feats.reshape(-1, 4), acts.reshape(-1), logps.reshape(-1)
     return policy.update(params, opt, policy.Batch(feats, acts, adv, logps), lr, table_lr,
                          entropy_coef)
