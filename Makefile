@@ -6,10 +6,14 @@ PIP := $(PY) -m pip install -q
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
 # Ray, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
 # and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
-# `make venv` is what `make test` installs (development).
+# `make venv` is what `make test` installs (development, the docs tools included: the suite
+# builds the documentation site). `make lint` adds ruff and mypy; `make docs` builds the site
+# (docs/, Sphinx) into the git-ignored docs/_build/html, offline, warnings as errors.
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
+LINT_STAMP := $(VENV)/.installed-lint
+DOCS_STAMP := $(VENV)/.installed-docs
 # `make bench BENCH_ARGS="--quick"`; `--publish` rewrites benchmarks/results/ (default: the
 # git-ignored benchmarks/results/scratch/).
 BENCH_ARGS ?=
@@ -26,14 +30,14 @@ FLOOR_VENV := .venv-floor
 RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py tests/test_pool.py \
 	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py
 
-.PHONY: venv demo test bench clean test-newest test-floor venv-newest venv-floor
+.PHONY: venv demo test bench clean test-newest test-floor venv-newest venv-floor lint docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem,atari]'
+	$(PIP) -e '.[ray,test,ecosystem,atari,docs]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
@@ -45,6 +49,14 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(BENCH_STAMP): pyproject.toml | $(PY)
 	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench]'
 	touch $(BENCH_STAMP)
+
+$(LINT_STAMP): pyproject.toml | $(PY)
+	$(PIP) -e '.[lint]'
+	touch $(LINT_STAMP)
+
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PIP) -e '.[ray,docs]'
+	touch $(DOCS_STAMP)
 
 venv: $(STAMP)
 
@@ -77,8 +89,19 @@ test-newest: $(NEWEST_VENV)/.installed
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
 
+# ruff (lint + format check) and mypy over jaxtransport/, configured in pyproject.toml.
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
+
+# -W: a warning (a broken link, a missing reference: nitpicky mode, -n) fails the build.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -b html -W -n --keep-going -q docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) $(FLOOR_VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) $(FLOOR_VENV) build *.egg-info docs/_build
