@@ -41,7 +41,6 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from ._nojax import PLACEMENTS as PLACEMENTS
     from ._codec import PlacementFallbackWarning as PlacementFallbackWarning
     from ._errors import ArrayDeletedError as ArrayDeletedError
     from ._errors import BrokenExecutorError as BrokenExecutorError
@@ -57,6 +56,7 @@ if TYPE_CHECKING:
     from ._errors import TransportError as TransportError
     from ._errors import UnsupportedArrayError as UnsupportedArrayError
     from ._errors import WorkerLostError as WorkerLostError
+    from ._nojax import PLACEMENTS as PLACEMENTS
     from ._pickling import dumps as dumps
     from ._pickling import is_registered as is_registered
     from ._pickling import loads as loads
@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from ._tracers import check_transportable as check_transportable
     from .pool import Executor as Executor
     from .pool import Pool as Pool
-    from .pool import get_reusable_executor as get_reusable_executor
     from .pool import SharedTree as SharedTree
+    from .pool import get_reusable_executor as get_reusable_executor
 
 
 def __getattr__(name: str):

@@ -31,29 +31,30 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from . import _compat
-from ._nojax import PLACEMENTS, check_placement
 from ._errors import (
     ArrayDeletedError,
     CorruptTransferError,
     DtypeUnavailableError,
     UnsupportedArrayError,
 )
+from ._nojax import PLACEMENTS, check_placement
 
 __all__ = [
     "PLACEMENTS",
     "ArrayMeta",
     "PlacementFallbackWarning",
-    "encode",
+    "check_placement",
     "decode",
     "decoder",
+    "encode",
     "is_jax_array",
-    "check_placement",
     "nbytes",
 ]
 
@@ -195,7 +196,7 @@ def encode(x: Any) -> tuple[ArrayMeta, list[np.ndarray]]:
 # decode
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _np_dtype(name: str) -> np.dtype:
     import jax.numpy as jnp
 
@@ -258,7 +259,7 @@ def _is_int(v: Any) -> bool:
     return type(v) is int  # what the encoder sends; numpy ints could overflow size arithmetic
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _array_dtype_ok(dtype: np.dtype) -> bool:
     if not dtype.isnative or dtype.hasobject or dtype.names is not None or dtype.subdtype is not None:
         return False
@@ -289,15 +290,16 @@ def _check_tiling(indices: tuple, shape: tuple) -> None:
     ranges: list[set] = [set() for _ in shape]
     for k, idx in enumerate(indices):
         if type(idx) is not tuple or len(idx) != ndim:
-            raise _corrupt(
-                f"shard {k}'s index {idx!r} is not one (start, stop) pair per dimension of shape {shape}"
-            )
+            raise _corrupt(f"shard {k}'s index {idx!r} is not one (start, stop) pair per dimension of shape {shape}")
         for d, pair in enumerate(idx):
-            if (type(pair) is not tuple or len(pair) != 2 or type(pair[0]) is not int
-                    or type(pair[1]) is not int or not 0 <= pair[0] <= pair[1] <= shape[d]):
-                raise _corrupt(
-                    f"shard {k}'s index {idx!r} is outside shape {shape} (dimension {d}: {pair!r})"
-                )
+            if (
+                type(pair) is not tuple
+                or len(pair) != 2
+                or type(pair[0]) is not int
+                or type(pair[1]) is not int
+                or not 0 <= pair[0] <= pair[1] <= shape[d]
+            ):
+                raise _corrupt(f"shard {k}'s index {idx!r} is outside shape {shape} (dimension {d}: {pair!r})")
             ranges[d].add(pair)
         if idx in seen:
             raise _corrupt(f"shard index {idx} appears twice (each distinct shard is sent once)")
@@ -333,20 +335,26 @@ def _check_sharding_meta(sh: Any) -> None:
     ok = type(sh) is tuple and len(sh) >= 1
     kind = sh[0] if ok and type(sh[0]) is str else None
     if kind == "single":
-        ok = (len(sh) == 4 and isinstance(sh[1], str) and _is_int(sh[2])
-              and (sh[3] is None or isinstance(sh[3], str)))
+        ok = len(sh) == 4 and isinstance(sh[1], str) and _is_int(sh[2]) and (sh[3] is None or isinstance(sh[3], str))
     elif kind == "named":
         ok = len(sh) == 8
         if ok:
             _, platform, mesh_shape, axis_names, ids, spec, memory_kind, _axis_types = sh
-            ok = (isinstance(platform, str)
-                  and type(mesh_shape) is tuple and all(_is_int(n) and n > 0 for n in mesh_shape)
-                  and type(axis_names) is tuple and len(axis_names) == len(mesh_shape)
-                  and all(isinstance(n, str) for n in axis_names) and len(set(axis_names)) == len(axis_names)
-                  and type(ids) is tuple and all(_is_int(i) for i in ids)
-                  and len(ids) == math.prod(mesh_shape) and len(set(ids)) == len(ids)
-                  and isinstance(spec, jax.sharding.PartitionSpec)
-                  and (memory_kind is None or isinstance(memory_kind, str)))
+            ok = (
+                isinstance(platform, str)
+                and type(mesh_shape) is tuple
+                and all(_is_int(n) and n > 0 for n in mesh_shape)
+                and type(axis_names) is tuple
+                and len(axis_names) == len(mesh_shape)
+                and all(isinstance(n, str) for n in axis_names)
+                and len(set(axis_names)) == len(axis_names)
+                and type(ids) is tuple
+                and all(_is_int(i) for i in ids)
+                and len(ids) == math.prod(mesh_shape)
+                and len(set(ids)) == len(ids)
+                and isinstance(spec, jax.sharding.PartitionSpec)
+                and (memory_kind is None or isinstance(memory_kind, str))
+            )
     elif kind == "other":
         ok = len(sh) == 2 and isinstance(sh[1], str)
     else:
@@ -392,8 +400,7 @@ def _validate(meta: ArrayMeta, buffers: Sequence[Any]) -> np.dtype:
         need = math.prod(b - a for a, b in idx) * itemsize
         if n != need:
             raise _corrupt(
-                f"shard {k} ({idx}) of a {dtype} array of shape {shape} needs {need} bytes but "
-                f"its buffer holds {n}"
+                f"shard {k} ({idx}) of a {dtype} array of shape {shape} needs {need} bytes but its buffer holds {n}"
             )
     return dtype
 
@@ -538,8 +545,12 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     assembled with one copy; "preserve" places each shard on its device (no copy on CPU when
     aligned).
     """
-    if (not isinstance(meta, tuple) or len(meta) != len(ArrayMeta._fields) or type(meta[0]) is not int
-            or meta[0] != FORMAT_VERSION):
+    if (
+        not isinstance(meta, tuple)
+        or len(meta) != len(ArrayMeta._fields)
+        or type(meta[0]) is not int
+        or meta[0] != FORMAT_VERSION
+    ):
         raise UnsupportedArrayError(
             f"Unsupported jaxtransport array format {meta[0] if isinstance(meta, tuple) and meta else meta!r}: "
             "sender and receiver run different jaxtransport versions."
@@ -576,8 +587,12 @@ def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") 
     call costs one ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG
     keys) decodes in full at each call. Raises what ``decode`` raises for bad metadata: here for
     the arrays validated once, else at the call."""
-    if (isinstance(meta, tuple) and len(meta) == len(ArrayMeta._fields) and type(meta[0]) is int
-            and meta[0] == FORMAT_VERSION):
+    if (
+        isinstance(meta, tuple)
+        and len(meta) == len(ArrayMeta._fields)
+        and type(meta[0]) is int
+        and meta[0] == FORMAT_VERSION
+    ):
         meta = ArrayMeta(*meta)
         if placement in ("device", "host") and meta.prng_impl is None:
             dtype = _validate(meta, buffers)

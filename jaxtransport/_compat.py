@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,20 +29,20 @@ import numpy as np
 from ._errors import UnsupportedArrayError
 
 __all__ = [
-    "jax_version",
+    "collect_jax_garbage",
     "concrete_array_types",
+    "fast_put_available",
+    "import_tracer_modules",
     "is_committed",
+    "jax_version",
+    "prng_impl_name",
     "put_on_default_device",
     "putter_on_default_device",
-    "fast_put_available",
-    "with_weak_type",
-    "prng_impl_name",
-    "wrap_key_data",
-    "tracer_base",
-    "import_tracer_modules",
     "tracer_aval_str",
+    "tracer_base",
     "tracer_trace_info",
-    "collect_jax_garbage",
+    "with_weak_type",
+    "wrap_key_data",
 ]
 
 
@@ -68,7 +69,7 @@ def _unsupported(what: str, fix: str = "") -> UnsupportedArrayError:
 # Fallback: none needed (present from 0.4.30 to 0.12); a missing one raises at registration.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def concrete_array_types() -> tuple[type, ...]:
     """The exact classes of concrete JAX arrays (``jax.Array`` itself is abstract)."""
     from jax._src.array import ArrayImpl
@@ -89,7 +90,7 @@ def concrete_array_types() -> tuple[type, ...]:
 def is_committed(x: Any) -> bool:
     committed = getattr(x, "committed", None)
     if committed is None:
-        committed = getattr(x, "_committed")
+        committed = x._committed
     return bool(committed)
 
 
@@ -189,7 +190,7 @@ def _make_fast_put() -> tuple[Callable[[np.ndarray, bool], Any], Callable[[np.nd
     from jax._src.interpreters import pxla
     from jax.sharding import SingleDeviceSharding
 
-    get_device = getattr(pxla, "get_default_device", None) or getattr(pxla, "_get_default_device")
+    get_device = getattr(pxla, "get_default_device", None) or pxla._get_default_device
     batched_device_put = pxla.batched_device_put
     shaped_abstractify = getattr(core, "shaped_abstractify", None)
     if shaped_abstractify is None:  # jax 0.4.30: jax/_src/api_util.py
@@ -227,8 +228,8 @@ def _make_fast_put() -> tuple[Callable[[np.ndarray, bool], Any], Callable[[np.nd
 def _typed_ndarray() -> Any:
     """jax 0.12's host value that carries a weak aval (jax/_src/literals.py), or None."""
     try:
-        from jax._src.literals import TypedNdArray
         from jax._src.core import ShapedArray
+        from jax._src.literals import TypedNdArray
     except ImportError:
         return None
 
@@ -445,7 +446,7 @@ def tracer_trace_info(tracer: Any) -> tuple[str, str | None, str | None]:
 # (jaxlib 0.4.x). Fallback: ``gc.collect(0)``, which also runs the queue (later).
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _collect_garbage_fn() -> Callable[[], Any]:
     from jax._src import lib
 

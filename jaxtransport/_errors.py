@@ -10,21 +10,21 @@ from __future__ import annotations
 import threading
 
 __all__ = [
-    "TracerTransportError",
-    "TransportError",
     "ArrayDeletedError",
-    "UnsupportedArrayError",
     "CorruptTransferError",
     "DtypeUnavailableError",
-    "PlacementError",
-    "WorkerLostError",
+    "LockOrderError",
     "MainGuardError",
+    "PlacementError",
     "PoolStateError",
     "PoolTerminatedError",
+    "RemoteTraceback",
     "ShmCapacityError",
     "ShmHandleError",
-    "RemoteTraceback",
-    "LockOrderError",
+    "TracerTransportError",
+    "TransportError",
+    "UnsupportedArrayError",
+    "WorkerLostError",
 ]
 
 
@@ -67,9 +67,7 @@ def _tracer_error_class() -> type:
             located = f" at {path}" if path else ""
             via = f" ({where})" if where else ""
             hint_path = (
-                ""
-                if path
-                else "\nTo find where it sits in your data, call jaxtransport.check_transportable(obj)."
+                "" if path else "\nTo find where it sits in your data, call jaxtransport.check_transportable(obj)."
             )
             message = (
                 f"Cowardly refusing to transport a traced value{located}{via}: {description}.\n"
@@ -84,8 +82,7 @@ def _tracer_error_class() -> type:
             # JAX error page of the class users know.
             TypeError.__init__(
                 self,
-                f"{message}\nSee https://docs.jax.dev/en/latest/errors.html"
-                "#jax.errors.ConcretizationTypeError",
+                f"{message}\nSee https://docs.jax.dev/en/latest/errors.html#jax.errors.ConcretizationTypeError",
             )
 
         def __reduce__(self):

@@ -19,7 +19,8 @@ import copyreg
 import io
 import pickle
 import pickletools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -57,21 +58,20 @@ def tracer_error_type() -> type:
     """``TracerTransportError``, without importing JAX to name it where none can be raised."""
     return _errors.TracerTransportError if jax_loaded() else _NoSuchError
 
+
 __all__ = [
+    "current_placement",
+    "dumps",
+    "is_registered",
+    "loads",
     "register",
     "unregister",
-    "is_registered",
-    "dumps",
-    "loads",
-    "current_placement",
 ]
 
 # The process default placement, set by register(); loads(placement=...) overrides it for the
 # duration of one call (per thread/context).
 _default_placement = "device"
-_placement_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "jaxtransport_placement", default=None
-)
+_placement_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxtransport_placement", default=None)
 
 # Our reducers in copyreg.dispatch_table, and what they replaced (restored by unregister()).
 _registration = Registration(lambda: copyreg.dispatch_table)

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = [
     "NO_PREALLOCATION",

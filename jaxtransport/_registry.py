@@ -9,7 +9,8 @@ lives here once, so both stay idempotent and thread-safe the same way.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any
 
 __all__ = ["Registration"]
 

@@ -40,7 +40,8 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Callable, Hashable, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,12 +50,12 @@ from ._errors import ShmCapacityError, ShmHandleError
 
 __all__ = [
     "Arena",
-    "Mapper",
     "Handle",
-    "size_class",
+    "Mapper",
     "default_capacity",
-    "send_segment",
     "fd_socketpair",
+    "send_segment",
+    "size_class",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -65,7 +66,6 @@ SLAB = 2 << 20  # size classes below this share a segment of this size
 DEFAULT_SHM_THRESHOLD = 1 << 20
 _MIN_CLASS = 4096
 _FD_MSG = struct.Struct("<QQ")  # segment id, segment size
-
 
 
 class Handle(NamedTuple):
@@ -79,7 +79,7 @@ class Handle(NamedTuple):
     gen: int
 
     @classmethod
-    def parse(cls, v: Any, what: str = "handle") -> "Handle":
+    def parse(cls, v: Any, what: str = "handle") -> Handle:
         """``v`` as a Handle; ShmHandleError (a CorruptTransferError's sibling: only the task
         that carried it fails) unless it is four non-negative ints."""
         if type(v) is cls:
@@ -273,8 +273,7 @@ def populate(mm: mmap.mmap, start: int, length: int) -> None:
             errors.append(ctypes.get_errno())
 
     chunks = [(off, min(step, length - off)) for off in range(0, length, step)]
-    threads = [threading.Thread(target=run, args=c, name="jaxtransport-shm-populate", daemon=True)
-               for c in chunks[1:]]
+    threads = [threading.Thread(target=run, args=c, name="jaxtransport-shm-populate", daemon=True) for c in chunks[1:]]
     for t in threads:
         t.start()
     run(*chunks[0])
@@ -376,7 +375,7 @@ def _addr(mm: mmap.mmap) -> int:
 
 
 class _Seg:
-    __slots__ = ("seg_id", "size", "fd", "mm", "cls", "nslots", "free_count", "addr")
+    __slots__ = ("addr", "cls", "fd", "free_count", "mm", "nslots", "seg_id", "size")
 
     def __init__(self, seg_id, size, fd, mm, cls, nslots):
         self.seg_id, self.size, self.fd, self.mm = seg_id, size, fd, mm
@@ -513,7 +512,12 @@ class Arena:
             return False
         best = None
         for seg in self._segs.values():
-            if seg.nslots == 1 and seg.free_count == 1 and SLAB <= seg.cls < cls and (best is None or seg.cls > best.cls):
+            if (
+                seg.nslots == 1
+                and seg.free_count == 1
+                and SLAB <= seg.cls < cls
+                and (best is None or seg.cls > best.cls)
+            ):
                 best = seg
         if best is None or self.mapped + self._pending + cls - best.size > self.capacity:
             return False
@@ -667,7 +671,9 @@ class Arena:
     def _capacity_error(self, nbytes: int, seg_size: int, impossible: bool = False) -> ShmCapacityError:
         held = sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
         if impossible:
-            why = f"a single array of {_fmt(nbytes)} is larger than shm_capacity={self.capacity} ({_fmt(self.capacity)})"
+            why = (
+                f"a single array of {_fmt(nbytes)} is larger than shm_capacity={self.capacity} ({_fmt(self.capacity)})"
+            )
         else:
             why = (
                 f"shm_capacity={self.capacity} ({_fmt(self.capacity)}) is reached: {_fmt(held)} are held by "
@@ -805,7 +811,7 @@ def _close_quietly(seg) -> None:
 
 
 class _Mapped:
-    __slots__ = ("size", "fd", "mm", "addr")
+    __slots__ = ("addr", "fd", "mm", "size")
 
     def __init__(self, size, fd):
         self.size, self.fd, self.mm, self.addr = size, fd, None, 0
@@ -951,7 +957,9 @@ class Mapper:
             seg_id, offset, nbytes, gen = handle
             seg_id, offset, nbytes, gen = int(seg_id), int(offset), int(nbytes), int(gen)
         except (TypeError, ValueError):
-            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: expected (segment, offset, nbytes, generation)") from None
+            raise ShmHandleError(
+                f"Bad shared-memory handle {handle!r}: expected (segment, offset, nbytes, generation)"
+            ) from None
         m = self._segment(seg_id)
         if offset < 0 or nbytes < 0 or offset + nbytes > m.size or offset % ALIGN:
             raise ShmHandleError(

@@ -20,7 +20,7 @@ import numpy as np
 from . import _compat
 from ._errors import TracerTransportError
 
-__all__ = ["check_transportable", "find_tracer", "tracer_types", "describe_tracer", "tracer_error"]
+__all__ = ["check_transportable", "describe_tracer", "find_tracer", "tracer_error", "tracer_types"]
 
 
 Tracer = _compat.tracer_base()
@@ -99,7 +99,9 @@ def _walk_object(obj: Any, path: str, seen: set[int]):
     seen.add(id(obj))
     if isinstance(obj, (set, frozenset)):
         for item in obj:
-            yield from _walk_object(item, f"{path}{{{item!r}}}" if not isinstance(item, Tracer) else f"{path}{{...}}", seen)
+            yield from _walk_object(
+                item, f"{path}{{{item!r}}}" if not isinstance(item, Tracer) else f"{path}{{...}}", seen
+            )
         return
     if isinstance(obj, dict):
         for k, v in obj.items():

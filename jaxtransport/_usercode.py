@@ -176,7 +176,7 @@ def _main_attr(name: str) -> Any:
         raise AttributeError(
             f"jaxtransport: __main__.{name} is not defined in {where} as this process ran it. It "
             "travelled by reference because the main script binds it at top level (outside "
-            "`if __name__ == \"__main__\":`); define it unconditionally at the top level of the "
+            '`if __name__ == "__main__":`); define it unconditionally at the top level of the '
             "script, or move it into an importable module."
         ) from None
 
@@ -412,7 +412,7 @@ def _runs_unconditionally(stmts: list[ast.stmt], line: int) -> bool | None:
 _GUARD_FIX = (
     'Put the code that starts it under `if __name__ == "__main__":` (the functions and classes '
     "the tasks use stay at the top level), as the multiprocessing documentation's \"Safe importing "
-    'of main module\" asks.'
+    'of main module" asks.'
 )
 
 
@@ -436,7 +436,7 @@ def unguarded_start(what: str) -> str | None:
         return (
             f"{what} was started while this process was starting up: it is a worker spawned by "
             f"another process, running that process's main script ({script}) as `__mp_main__`, "
-            f"and the script starts {what} outside `if __name__ == \"__main__\":`, so every worker "
+            f'and the script starts {what} outside `if __name__ == "__main__":`, so every worker '
             f"would start processes of its own. {_GUARD_FIX}"
         )
     path = _main_script(main) if main is not None else None
@@ -446,8 +446,11 @@ def unguarded_start(what: str) -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if (code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
-                and os.path.abspath(code.co_filename) == path):
+        if (
+            code.co_name == "<module>"
+            and frame.f_globals.get("__name__") == "__main__"
+            and os.path.abspath(code.co_filename) == path
+        ):
             break
         frame = frame.f_back
     if frame is None:

@@ -65,11 +65,11 @@ import os
 import queue
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections import ChainMap
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 try:
     import ray
@@ -197,9 +197,7 @@ def _release_promptly(out: Any) -> None:
     if _reaper is None:
         with _reaper_lock:
             if _reaper is None:
-                _reaper = threading.Thread(
-                    target=_reap_forever, name="jaxtransport-ray-release", daemon=True
-                )
+                _reaper = threading.Thread(target=_reap_forever, name="jaxtransport-ray-release", daemon=True)
                 _reaper.start()
 
 
@@ -251,7 +249,8 @@ def _default_path_detectable() -> bool:
 
         _JAX_DEFAULT_REBUILD = _compat.jax_default_array_rebuild()
         return _JAX_DEFAULT_REBUILD is not None and hasattr(
-            ray_serialization.SerializationContext, _RAY_DESERIALIZER[1])
+            ray_serialization.SerializationContext, _RAY_DESERIALIZER[1]
+        )
     except Exception:  # pragma: no cover - another layout: no detection
         return False
 
@@ -260,8 +259,7 @@ def _inside_ray_deserializer(frame: Any) -> bool:
     for _ in range(16):
         if frame is None:
             return False
-        if (frame.f_code.co_name == _RAY_DESERIALIZER[1]
-                and frame.f_globals.get("__name__") == _RAY_DESERIALIZER[0]):
+        if frame.f_code.co_name == _RAY_DESERIALIZER[1] and frame.f_globals.get("__name__") == _RAY_DESERIALIZER[0]:
             return True
         frame = frame.f_back
     return False
@@ -369,8 +367,9 @@ def _register_serializer(cls: type, serializer: Callable) -> None:
 
 # Our serializers in Ray's dispatch, and what they replaced (restored by unregister()). Ours go
 # in through Ray's API; a type that had no serializer before is deregistered the same way.
-_registration = Registration(_ray_dispatch, put=_register_serializer,
-                             drop=lambda cls: ray.util.deregister_serializer(cls))
+_registration = Registration(
+    _ray_dispatch, put=_register_serializer, drop=lambda cls: ray.util.deregister_serializer(cls)
+)
 
 
 def register(placement: str = "device") -> None:
@@ -454,8 +453,9 @@ def _chain(user_hook: Callable[[], Any]) -> Callable[[], Any]:
     return jaxtransport_setup_hook
 
 
-def runtime_env(base: Mapping[str, Any] | None = None, *, placement: str | None = None,
-                huge_pages: bool = True) -> dict:
+def runtime_env(
+    base: Mapping[str, Any] | None = None, *, placement: str | None = None, huge_pages: bool = True
+) -> dict:
     """A Ray runtime_env (a new dict) whose ``worker_process_setup_hook`` registers jaxtransport
     in every worker process of the job, merged with ``base``.
 

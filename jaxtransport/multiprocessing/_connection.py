@@ -31,8 +31,15 @@ class Connection:
     Connections pickle (inherited by a Process, or sent through a queue or another pipe).
     """
 
-    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True, *,
-                 shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
+    def __init__(
+        self,
+        sock: socket.socket,
+        readable: bool = True,
+        writable: bool = True,
+        *,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        placement: str = "device",
+    ):
         _check_options(shm_threshold, placement)
         if not (readable or writable):
             raise ValueError("at least one of readable and writable must be True")
@@ -42,8 +49,10 @@ class Connection:
 
     def __reduce__(self):
         self._check_closed()
-        return (_rebuild_connection, (_reduction.DupFd(self._sock.fileno()), self._readable, self._writable,
-                                      self._threshold, self._placement))
+        return (
+            _rebuild_connection,
+            (_reduction.DupFd(self._sock.fileno()), self._readable, self._writable, self._threshold, self._placement),
+        )
 
     @property
     def closed(self) -> bool:
@@ -72,7 +81,7 @@ class Connection:
             finally:
                 self._sock = None
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,8 +215,9 @@ class _Bytes:
 
 
 def _rebuild_connection(df, readable, writable, threshold, placement) -> Connection:
-    return Connection(socket.socket(fileno=df.detach()), readable, writable, shm_threshold=threshold,
-                      placement=placement)
+    return Connection(
+        socket.socket(fileno=df.detach()), readable, writable, shm_threshold=threshold, placement=placement
+    )
 
 
 def Pipe(duplex: bool = True, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
@@ -216,9 +226,13 @@ def Pipe(duplex: bool = True, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, pla
     _check_options(shm_threshold, placement)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if duplex:
-        return (Connection(a, shm_threshold=shm_threshold, placement=placement),
-                Connection(b, shm_threshold=shm_threshold, placement=placement))
+        return (
+            Connection(a, shm_threshold=shm_threshold, placement=placement),
+            Connection(b, shm_threshold=shm_threshold, placement=placement),
+        )
     a.shutdown(socket.SHUT_WR)
     b.shutdown(socket.SHUT_RD)
-    return (Connection(a, True, False, shm_threshold=shm_threshold, placement=placement),
-            Connection(b, False, True, shm_threshold=shm_threshold, placement=placement))
+    return (
+        Connection(a, True, False, shm_threshold=shm_threshold, placement=placement),
+        Connection(b, False, True, shm_threshold=shm_threshold, placement=placement),
+    )

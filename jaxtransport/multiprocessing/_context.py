@@ -10,7 +10,7 @@ from typing import Any
 
 from .._procenv import fork_refused
 
-__all__ = ["get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Process"]
+__all__ = ["Process", "get_all_start_methods", "get_context", "get_start_method", "set_start_method"]
 
 _METHODS = ("spawn", "forkserver")
 
@@ -36,7 +36,7 @@ class JaxContext:
         self._name = method
         self._ctx = multiprocessing.get_context(method)
 
-    def get_context(self, method: str | None = None) -> "JaxContext":
+    def get_context(self, method: str | None = None) -> JaxContext:
         if method is None:
             return self
         return get_context(method)

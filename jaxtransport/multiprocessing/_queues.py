@@ -33,7 +33,7 @@ from .. import _nojax
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 
-__all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+__all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 
 def _check_options(shm_threshold, placement) -> None:
@@ -94,7 +94,9 @@ class Queue:
     ``put()``; none in ``get()`` on CPU (a device copy on an accelerator).
     """
 
-    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
+    def __init__(
+        self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
+    ):
         from multiprocessing.synchronize import SEM_VALUE_MAX
 
         _check_options(shm_threshold, placement)
@@ -115,8 +117,15 @@ class Queue:
     # -- pickling (only while spawning a process, as multiprocessing's queues)
     def __getstate__(self):
         _mpcontext.assert_spawning(self)
-        return (self._maxsize, self._threshold, self._placement, _reduction.DupFd(self._writer.fileno()),
-                _reduction.DupFd(self._reader.fileno()), self._sem, self._opid)
+        return (
+            self._maxsize,
+            self._threshold,
+            self._placement,
+            _reduction.DupFd(self._writer.fileno()),
+            _reduction.DupFd(self._reader.fileno()),
+            self._sem,
+            self._opid,
+        )
 
     def __setstate__(self, state):
         (self._maxsize, self._threshold, self._placement, w, r, self._sem, self._opid) = state
@@ -230,13 +239,16 @@ class Queue:
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(
-            target=Queue._feed, args=(self._buffer, self._notempty, self._writer, self._busy),
+            target=Queue._feed,
+            args=(self._buffer, self._notempty, self._writer, self._busy),
             name="jaxtransport-queue-feeder",
-            daemon=True)
+            daemon=True,
+        )
         self._thread.start()
         if not self._joincancelled:
-            self._jointhread = _util.Finalize(self._thread, Queue._finalize_join, [weakref.ref(self._thread)],
-                                              exitpriority=-5)
+            self._jointhread = _util.Finalize(
+                self._thread, Queue._finalize_join, [weakref.ref(self._thread)], exitpriority=-5
+            )
         self._close = _util.Finalize(self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
@@ -282,7 +294,9 @@ _SENTINEL = object()
 class JoinableQueue(Queue):
     """``multiprocessing.JoinableQueue`` over :class:`Queue` (``task_done``/``join``)."""
 
-    def __init__(self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
+    def __init__(
+        self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
+    ):
         if ctx is None:
             from ._context import _default
 
@@ -332,8 +346,12 @@ class SimpleQueue:
 
     def __getstate__(self):
         _mpcontext.assert_spawning(self)
-        return (self._threshold, self._placement, _reduction.DupFd(self._writer.fileno()),
-                _reduction.DupFd(self._reader.fileno()))
+        return (
+            self._threshold,
+            self._placement,
+            _reduction.DupFd(self._writer.fileno()),
+            _reduction.DupFd(self._reader.fileno()),
+        )
 
     def __setstate__(self, state):
         self._threshold, self._placement, w, r = state

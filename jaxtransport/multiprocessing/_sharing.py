@@ -60,9 +60,9 @@ from typing import Any
 import numpy as np
 
 from .. import _shm
-from .._pickling import PICKLE_PROTOCOL
 from .._errors import ShmCapacityError, ShmHandleError, TransportError
 from .._nojax import find_tracer
+from .._pickling import PICKLE_PROTOCOL
 
 MAGIC = "jaxtransport.mp/1"
 HEADER = 64  # bytes before each slot's data (Note [queue slot lifetime])
@@ -97,7 +97,7 @@ def _proc_start(pid: int) -> int | None:
 class _HeaderArena:
     """The process's Arena seen by ``_wire.commit``: every slot gets HEADER bytes in front."""
 
-    def __init__(self, producer: "Producer"):
+    def __init__(self, producer: Producer):
         self.p = producer
 
     def alloc(self, nbytes, borrower, wait=None):
@@ -255,7 +255,7 @@ class Outgoing:
     """A message ready to send: the packet and the fds it carries (the arena's, plus ``owned``:
     a bundle socket this message closes once sent or discarded)."""
 
-    __slots__ = ("packet", "fds", "handles", "owned")
+    __slots__ = ("fds", "handles", "owned", "packet")
 
     def __init__(self, packet, fds, handles, owned=()):
         self.packet, self.fds, self.handles, self.owned = packet, fds, handles, list(owned)
@@ -362,8 +362,9 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             bundled = len(fds) - (MAX_FDS - 1)
             owned.append(_bundle(fds[MAX_FDS - 1 :]))
             fds = fds[: MAX_FDS - 1] + owned
-        packet = pickle.dumps((MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled),
-                              protocol=PICKLE_PROTOCOL)
+        packet = pickle.dumps(
+            (MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled), protocol=PICKLE_PROTOCOL
+        )
     except BaseException:
         for h in handles:
             p.drop(h)
@@ -445,8 +446,9 @@ class _Consumer:
     def ensure_thread(self) -> None:
         if self.thread is None or not self.thread.is_alive():
             ref = weakref.ref(self)
-            self.thread = threading.Thread(target=_release_loop, args=(ref,), name="jaxtransport-mp-release",
-                                           daemon=True)
+            self.thread = threading.Thread(
+                target=_release_loop, args=(ref,), name="jaxtransport-mp-release", daemon=True
+            )
             self.thread.start()
         self.wake.set()
 
@@ -506,8 +508,9 @@ def recv_packet(sock: socket.socket, nowait: bool = False) -> tuple[bytes, list[
     BlockingIOError (``nowait``) when there is none, TransportError (fds closed) for a
     truncated packet."""
     fds = array.array("i")
-    msg, anc, flags, _ = sock.recvmsg(RECV_BUF, socket.CMSG_SPACE(MAX_FDS * fds.itemsize + 64),
-                                      socket.MSG_DONTWAIT if nowait else 0)
+    msg, anc, flags, _ = sock.recvmsg(
+        RECV_BUF, socket.CMSG_SPACE(MAX_FDS * fds.itemsize + 64), socket.MSG_DONTWAIT if nowait else 0
+    )
     got: list[int] = []
     for level, typ, data in anc:
         if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
@@ -628,7 +631,7 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     return obj
 
 
-def _forget_dropped(c: "_Consumer", key, m: _shm.Mapper, live) -> None:
+def _forget_dropped(c: _Consumer, key, m: _shm.Mapper, live) -> None:
     """Unmap the sender's segments that it no longer has. Segment ids are never reused, and a
     segment is dropped only when no message or array holds a slot in it; only the newest
     list seen is applied (a list from an older epoch may lack segments made since)."""
@@ -648,7 +651,9 @@ def _claim(m: _shm.Mapper, h, c: _Consumer):
     try:
         seg_id, off, nbytes, _gen = (int(x) for x in h)
     except (TypeError, ValueError):
-        raise ShmHandleError(f"Bad shared-memory handle {h!r}: expected (segment, offset, nbytes, generation)") from None
+        raise ShmHandleError(
+            f"Bad shared-memory handle {h!r}: expected (segment, offset, nbytes, generation)"
+        ) from None
     mm = m.mapping(seg_id)
     hoff = off - HEADER
     if hoff < 0 or off + nbytes > len(mm):

@@ -108,10 +108,10 @@ if TYPE_CHECKING:
     from ._executor import get_reusable_executor as get_reusable_executor
     from ._executor import shutdown_reusable_executor as shutdown_reusable_executor
     from ._facade import Pool as Pool
-    from ._trees import SharedTree as SharedTree
     from ._results import AsyncResult as AsyncResult
     from ._results import IMapIterator as IMapIterator
     from ._results import MapResult as MapResult
+    from ._trees import SharedTree as SharedTree
 
 
 def __getattr__(name: str):

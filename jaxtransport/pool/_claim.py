@@ -31,7 +31,9 @@ def _lib():
             lib = ctypes.CDLL(name, use_errno=True) if name else None
         if lib is not None:
             for fn in ("sem_init", "sem_wait", "sem_trywait", "sem_post"):
-                getattr(lib, fn).argtypes = [ctypes.c_void_p] + ([ctypes.c_int, ctypes.c_uint] if fn == "sem_init" else [])
+                getattr(lib, fn).argtypes = [ctypes.c_void_p] + (
+                    [ctypes.c_int, ctypes.c_uint] if fn == "sem_init" else []
+                )
                 getattr(lib, fn).restype = ctypes.c_int
         _libc = lib or False
     return _libc or None

@@ -20,10 +20,10 @@ import warnings
 import weakref
 
 from .. import _lockorder, _procenv, _shm
-from . import _protocol, _wire
-from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
+from . import _protocol, _wire
 from ._lifecycle import Lifecycle
+from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from ._results import CallbackRunner
 from ._scheduler import Chunk, Scheduler
 from ._trees import TreeBook
@@ -35,7 +35,7 @@ SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's back
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
 STALL_S = 0.05
 
-_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 _atexit_registered = False
 
 
@@ -56,9 +56,25 @@ def _register_atexit() -> None:
 
 
 class Engine:
-    def __init__(self, *, processes, initializer, initargs, maxtasksperchild, start_method,
-                 shm_threshold, placement, worker_env, shm_capacity, worker_capacity, devices_per_worker,
-                 tree_type, results_reserve: int = 0, futures: bool = False, preload_jax: bool = False):
+    def __init__(
+        self,
+        *,
+        processes,
+        initializer,
+        initargs,
+        maxtasksperchild,
+        start_method,
+        shm_threshold,
+        placement,
+        worker_env,
+        shm_capacity,
+        worker_capacity,
+        devices_per_worker,
+        tree_type,
+        results_reserve: int = 0,
+        futures: bool = False,
+        preload_jax: bool = False,
+    ):
         from ._manager import Manager
 
         self.ctx = multiprocessing.get_context(start_method)
@@ -125,20 +141,33 @@ class Engine:
     # -- workers
     def worker_environ(self, index: int) -> dict:
         """The variables worker ``index`` starts with (``_procenv.worker_env``)."""
-        return _procenv.worker_env(index, devices_per_worker=self.devices_per_worker,
-                                   overrides=self.worker_env_overrides, gpus=self.gpus)
+        return _procenv.worker_env(
+            index, devices_per_worker=self.devices_per_worker, overrides=self.worker_env_overrides, gpus=self.gpus
+        )
 
     def start_worker(self, index: int) -> WorkerRec:
         env = self.worker_environ(index)
         config = {
-            "parent_pid": os.getpid(), "threshold": self.threshold, "placement": self.placement,
-            "capacity": self.worker_capacity, "futures": self.futures,
-            "maxtasks": self.maxtasks, "grace": CAPACITY_GRACE_S, "reserve": self.results_reserve,
+            "parent_pid": os.getpid(),
+            "threshold": self.threshold,
+            "placement": self.placement,
+            "capacity": self.worker_capacity,
+            "futures": self.futures,
+            "maxtasks": self.maxtasks,
+            "grace": CAPACITY_GRACE_S,
+            "reserve": self.results_reserve,
             "preload_jax": self.preload_jax,
         }
-        return start_worker(self.ctx, start_method=self.start_method, index=index,
-                            serial=next(self.serials), env=env, config=config, maxtasks=self.maxtasks,
-                            init=self.init_call)
+        return start_worker(
+            self.ctx,
+            start_method=self.start_method,
+            index=index,
+            serial=next(self.serials),
+            env=env,
+            config=config,
+            maxtasks=self.maxtasks,
+            init=self.init_call,
+        )
 
     def wake(self) -> None:
         fd = self.wake_w

@@ -37,7 +37,8 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
@@ -48,7 +49,7 @@ from ._results import AsyncResult
 __all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
 
 
-_live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+_live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _global_shutdown = False
 _exit_lock = threading.Lock()
 _exit_registered = False
@@ -85,7 +86,7 @@ def _run_chunk(fn: Callable, chunk: list) -> list:
 
 
 class _Call:
-    __slots__ = ("future", "fn", "args", "kwargs")
+    __slots__ = ("args", "fn", "future", "kwargs")
 
     def __init__(self, future, fn, args, kwargs):
         self.future, self.fn, self.args, self.kwargs = future, fn, args, kwargs
@@ -113,8 +114,15 @@ class Executor(concurrent.futures.Executor):
     ``concurrent.futures`` logger in the worker before the executor breaks.
     """
 
-    def __init__(self, max_workers: int | None = None, initializer: Callable | None = None,
-                 initargs: Iterable = (), *, max_tasks_per_child: int | None = None, **pool_kwargs: Any):
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        initializer: Callable | None = None,
+        initargs: Iterable = (),
+        *,
+        max_tasks_per_child: int | None = None,
+        **pool_kwargs: Any,
+    ):
         # concurrent.futures' checks and messages.
         if isinstance(max_workers, int) and max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
@@ -170,8 +178,7 @@ class Executor(concurrent.futures.Executor):
                 raise
         return future
 
-    def map(self, fn: Callable, *iterables: Iterable, timeout: float | None = None,
-            chunksize: int = 1) -> Iterator:
+    def map(self, fn: Callable, *iterables: Iterable, timeout: float | None = None, chunksize: int = 1) -> Iterator:
         """``map(fn, *iterables)`` as ``concurrent.futures``: results in order; ``timeout``
         (seconds, from this call) raises ``TimeoutError`` from the iterator; ``chunksize`` > 1
         sends that many calls per task. Unfinished calls are cancelled if the iterator is closed
@@ -233,8 +240,9 @@ class Executor(concurrent.futures.Executor):
             self._pool.close()
             self._pool.join()
         else:
-            threading.Thread(target=_close_when_idle, args=(self,), daemon=True,
-                             name="jaxtransport-executor-close").start()
+            threading.Thread(
+                target=_close_when_idle, args=(self,), daemon=True, name="jaxtransport-executor-close"
+            ).start()
 
     # -- internals
     def _check_open(self) -> None:
@@ -257,8 +265,9 @@ class Executor(concurrent.futures.Executor):
 
     def _ensure_dispatcher(self) -> None:
         if self._dispatcher is None:
-            self._dispatcher = threading.Thread(target=_dispatch, args=(weakref.ref(self),), daemon=True,
-                                                name="jaxtransport-executor-dispatch")
+            self._dispatcher = threading.Thread(
+                target=_dispatch, args=(weakref.ref(self),), daemon=True, name="jaxtransport-executor-dispatch"
+            )
             self._dispatcher.start()
 
     def _send(self, call: _Call) -> None:

@@ -29,17 +29,19 @@ import multiprocessing
 import os
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from . import _wire
 from .. import _nojax, _procenv, _shm, _usercode
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer
+from . import _wire
 from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
 
-__all__ = ["Pool", "SharedTree", "AsyncResult", "MapResult", "IMapIterator"]
+__all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
+
 
 class Pool:
     """A process pool with ``multiprocessing.Pool``'s API for functions that take and return
@@ -154,11 +156,20 @@ class Pool:
                 )
         self._processes = processes
         self._state = Engine(
-            processes=processes, initializer=initializer, initargs=tuple(initargs),
-            maxtasksperchild=maxtasksperchild, start_method=start_method,
-            shm_threshold=shm_threshold, placement=placement, worker_env=worker_env,
-            shm_capacity=capacity, worker_capacity=worker_capacity, devices_per_worker=devices_per_worker,
-            tree_type=SharedTree, results_reserve=results_reserve, futures=self._futures,
+            processes=processes,
+            initializer=initializer,
+            initargs=tuple(initargs),
+            maxtasksperchild=maxtasksperchild,
+            start_method=start_method,
+            shm_threshold=shm_threshold,
+            placement=placement,
+            worker_env=worker_env,
+            shm_capacity=capacity,
+            worker_capacity=worker_capacity,
+            devices_per_worker=devices_per_worker,
+            tree_type=SharedTree,
+            results_reserve=results_reserve,
+            futures=self._futures,
             preload_jax=_nojax.jax_loaded() if preload_jax is None else bool(preload_jax),
         )
         if args_reserve:
@@ -171,8 +182,14 @@ class Pool:
         self._finalizer.atexit = False  # at exit the atexit hook terminates it, silently
 
     # -- submitting
-    def apply_async(self, func: Callable, args: tuple = (), kwds: dict | None = None,
-                    callback: Callable | None = None, error_callback: Callable | None = None) -> AsyncResult:
+    def apply_async(
+        self,
+        func: Callable,
+        args: tuple = (),
+        kwds: dict | None = None,
+        callback: Callable | None = None,
+        error_callback: Callable | None = None,
+    ) -> AsyncResult:
         """``func(*args, **kwds)`` in a worker; returns an AsyncResult at once.
 
         Pickles and copies the arguments' large arrays into shared memory in this thread (may
@@ -235,8 +252,14 @@ class Pool:
                 raise
         return result
 
-    def map_async(self, func: Callable, iterable: Iterable, chunksize: int | None = None,
-                  callback: Callable | None = None, error_callback: Callable | None = None) -> MapResult:
+    def map_async(
+        self,
+        func: Callable,
+        iterable: Iterable,
+        chunksize: int | None = None,
+        callback: Callable | None = None,
+        error_callback: Callable | None = None,
+    ) -> MapResult:
         """``[func(x) for x in iterable]`` in chunks across the workers; returns a MapResult."""
         return self._map_async(func, iterable, chunksize, "map", callback, error_callback)
 
@@ -244,8 +267,14 @@ class Pool:
         """``map_async(...).get()``: results in order; the first failing chunk's error is raised."""
         return self._map_async(func, iterable, chunksize, "map", None, None).get()
 
-    def starmap_async(self, func: Callable, iterable: Iterable, chunksize: int | None = None,
-                      callback: Callable | None = None, error_callback: Callable | None = None) -> MapResult:
+    def starmap_async(
+        self,
+        func: Callable,
+        iterable: Iterable,
+        chunksize: int | None = None,
+        callback: Callable | None = None,
+        error_callback: Callable | None = None,
+    ) -> MapResult:
         """``[func(*args) for args in iterable]``; returns a MapResult."""
         return self._map_async(func, iterable, chunksize, "star", callback, error_callback)
 
@@ -268,8 +297,9 @@ class Pool:
             source = iter(preps)
         else:
             source = _prepare_lazily(state, func, iter(iterable), chunksize)
-        threading.Thread(target=_feed_imap, args=(state, it, source),
-                         name="jaxtransport-pool-imap", daemon=True).start()
+        threading.Thread(
+            target=_feed_imap, args=(state, it, source), name="jaxtransport-pool-imap", daemon=True
+        ).start()
         return it
 
     def imap(self, func: Callable, iterable: Iterable, chunksize: int = 1) -> IMapIterator:
@@ -294,8 +324,9 @@ class Pool:
         state = self._state
         state.check_running()
         rec = state.trees.new()
-        prep = _wire.prepare(tree, threshold=state.threshold, tree_type=None,
-                             locate=lambda: _first_tracer((tree, "tree")))
+        prep = _wire.prepare(
+            tree, threshold=state.threshold, tree_type=None, locate=lambda: _first_tracer((tree, "tree"))
+        )
         state.tls.wait_start = None
         rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
         rec.nbytes = sum(h[2] for h in rec.enc.handles)
@@ -319,7 +350,7 @@ class Pool:
         valid (their memory lives while they do)."""
         self._state.terminate()
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self) -> Pool:
         self._state.check_running()
         return self
 
@@ -333,7 +364,8 @@ class Pool:
 
     def __reduce__(self):
         raise NotImplementedError(
-            "pool objects cannot be passed between processes or pickled (as multiprocessing.Pool)")
+            "pool objects cannot be passed between processes or pickled (as multiprocessing.Pool)"
+        )
 
 
 def _reserve_sizes(shm_reserve) -> tuple[int, int]:

@@ -42,7 +42,9 @@ class Lifecycle:
 
     def check_running(self) -> None:
         if self.broken is not None:
-            raise PoolStateError(f"This jaxtransport.Pool is broken and accepts no tasks: {self.broken}") from self.broken
+            raise PoolStateError(
+                f"This jaxtransport.Pool is broken and accepts no tasks: {self.broken}"
+            ) from self.broken
         if self.closed or self.terminated:
             raise PoolStateError("Pool not running: it was closed or terminated; create a new jaxtransport.Pool.")
 

@@ -19,8 +19,8 @@ import threading
 import time
 
 from .. import _shm
-from . import _protocol, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
+from . import _protocol, _wire
 from ._engine import MAX_EARLY_DEATHS, Engine
 from ._protocol import RELEASE_FLUSH_S
 from ._workers import WorkerRec, close_worker, diagnose_start, signal_name
@@ -218,11 +218,14 @@ class Manager:
         # initializer logged or put on a queue is flushed (at exit, multiprocessing joins its
         # queues' feeder threads), as a concurrent.futures worker's exit is what breaks its pool.
         w.proc.join(INIT_EXIT_GRACE_S)
-        engine.break_pool(PoolStateError(
-            f"The pool's initializer raised {msg.error.type_name}: {msg.error.message} in worker pid "
-            f"{w.pid}; the pool cannot start workers and is broken. Fix the initializer and create a "
-            "new pool."
-        ), cause=exc)
+        engine.break_pool(
+            PoolStateError(
+                f"The pool's initializer raised {msg.error.type_name}: {msg.error.message} in worker pid "
+                f"{w.pid}; the pool cannot start workers and is broken. Fix the initializer and create a "
+                "new pool."
+            ),
+            cause=exc,
+        )
 
     def on_leaving(self, w: WorkerRec, msg: _protocol.Leaving) -> None:
         w.retiring = True
@@ -296,7 +299,9 @@ class Manager:
                 engine.early_deaths += 1
             if engine.flags.stopped:
                 return
-            if engine.early_deaths < MAX_EARLY_DEATHS and not (engine.flags.closed and engine.scheduler.idle(engine.workers)):
+            if engine.early_deaths < MAX_EARLY_DEATHS and not (
+                engine.flags.closed and engine.scheduler.idle(engine.workers)
+            ):
                 try:
                     engine.workers.append(engine.start_worker(w.index))
                 except Exception as e:  # noqa: BLE001
@@ -308,15 +313,21 @@ class Manager:
         if engine.early_deaths >= MAX_EARLY_DEATHS:
             if spawn_error is None and not w.reached_worker_code():
                 # It died running the main script as __mp_main__: show why (no lock held).
-                why = ("It died while starting up, before any jaxtransport code ran in it. "
-                       + diagnose_start(engine.worker_environ(w.index)))
+                why = "It died while starting up, before any jaxtransport code ran in it. " + diagnose_start(
+                    engine.worker_environ(w.index)
+                )
             else:
-                why = ("Check that the worker environment (worker_env, JAX_PLATFORMS, CUDA) and the "
-                       "initializer work (their output is on the workers' stderr).")
-            engine.break_pool(WorkerLostError(
-                f"{MAX_EARLY_DEATHS} jaxtransport.Pool workers in a row died before they were ready "
-                f"(the last, pid {w.pid}, {self.how(code)}): the pool is broken. {why}"
-            ), cause=spawn_error)
+                why = (
+                    "Check that the worker environment (worker_env, JAX_PLATFORMS, CUDA) and the "
+                    "initializer work (their output is on the workers' stderr)."
+                )
+            engine.break_pool(
+                WorkerLostError(
+                    f"{MAX_EARLY_DEATHS} jaxtransport.Pool workers in a row died before they were ready "
+                    f"(the last, pid {w.pid}, {self.how(code)}): the pool is broken. {why}"
+                ),
+                cause=spawn_error,
+            )
         with engine.lock:
             engine.dispatch()
 
@@ -336,5 +347,6 @@ class Manager:
             return "stopped responding (its pipe closed)"
         if code < 0:
             return f"was killed by {signal_name(code)}" + (
-                " (the out-of-memory killer sends SIGKILL: check `dmesg`)" if code == -signal.SIGKILL else "")
+                " (the out-of-memory killer sends SIGKILL: check `dmesg`)" if code == -signal.SIGKILL else ""
+            )
         return f"exited with code {code} (os._exit() or sys.exit() in the task, or a crash in native code)"

@@ -35,11 +35,29 @@ from .._pickling import PICKLE_PROTOCOL
 from .._shm import Handle
 
 __all__ = [
-    "Task", "DefineTree", "DropTree", "Release", "Forget", "Stop",
-    "Ready", "Result", "Leaving", "Garbled", "ErrorReport",
-    "NpEntry", "JaxEntry", "RefEntry", "TreeEntry",
-    "TO_WORKER", "TO_PARENT", "dumps", "loads", "parse_entry", "parse_handles",
-    "RELEASE_FLUSH_S", "CAPACITY_GRACE_S",
+    "CAPACITY_GRACE_S",
+    "RELEASE_FLUSH_S",
+    "TO_PARENT",
+    "TO_WORKER",
+    "DefineTree",
+    "DropTree",
+    "ErrorReport",
+    "Forget",
+    "Garbled",
+    "JaxEntry",
+    "Leaving",
+    "NpEntry",
+    "Ready",
+    "RefEntry",
+    "Release",
+    "Result",
+    "Stop",
+    "Task",
+    "TreeEntry",
+    "dumps",
+    "loads",
+    "parse_entry",
+    "parse_handles",
 ]
 
 # Timing both ends of the pipe share.
@@ -167,7 +185,7 @@ class ErrorReport(NamedTuple):
     traceback: str
 
     @classmethod
-    def parse(cls, v: Any) -> "ErrorReport":
+    def parse(cls, v: Any) -> ErrorReport:
         if not isinstance(v, tuple) or len(v) != 4:
             raise _bad("an error report must be a 4-tuple")
         _bytes(v[0], "pickled exception")

@@ -18,12 +18,12 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from .. import _lockorder
 from .._errors import PoolStateError
 
-__all__ = ["AsyncResult", "MapResult", "IMapIterator", "CallbackRunner"]
+__all__ = ["AsyncResult", "CallbackRunner", "IMapIterator", "MapResult"]
 
 _in_callback = threading.local()
 # Results make their Event only when someone waits before they are done (most tiny tasks are

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 PREFETCH_TINY = 8
 PREFETCH_MAX = 256
@@ -46,7 +47,7 @@ class Chunk:
     object it completes and its index there. ``key`` is its borrower name in the arena while
     it waits (its slots move to the worker that runs it)."""
 
-    __slots__ = ("chunk_id", "key", "result", "index", "enc", "trees", "small", "began", "seq")
+    __slots__ = ("began", "chunk_id", "enc", "index", "key", "result", "seq", "small", "trees")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
         self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
@@ -93,8 +94,15 @@ class Scheduler:
             if not w.outstanding and w.can_take() and w.alive():
                 return w
         # Behind a running chunk only on a worker of quick chunks whose running one is young.
-        ready = [w for w in workers if w.outstanding and w.pace is not None and w.pace < QUICK_S
-                 and now - w.outstanding[0].began < QUICK_S and w.can_take()]
+        ready = [
+            w
+            for w in workers
+            if w.outstanding
+            and w.pace is not None
+            and w.pace < QUICK_S
+            and now - w.outstanding[0].began < QUICK_S
+            and w.can_take()
+        ]
         if chunk.small:
             for w in ready:
                 n = len(w.outstanding)

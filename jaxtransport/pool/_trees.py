@@ -22,7 +22,7 @@ from . import _protocol
 
 
 class TreeRec:
-    __slots__ = ("tree_id", "key", "enc", "users", "released", "freed", "workers", "nbytes", "owner")
+    __slots__ = ("enc", "freed", "key", "nbytes", "owner", "released", "tree_id", "users", "workers")
 
     def __init__(self, tree_id: int, owner: Any):
         self.tree_id = tree_id
@@ -54,7 +54,7 @@ class SharedTree:
     Attributes: ``tree`` (the parent's original tree), ``nbytes`` (bytes in shared memory).
     """
 
-    def __init__(self, book: "TreeBook", rec: TreeRec, tree: Any):
+    def __init__(self, book: TreeBook, rec: TreeRec, tree: Any):
         self._book = book
         self._rec = rec
         self._tree_id = rec.tree_id
@@ -76,7 +76,7 @@ class SharedTree:
         if self._finalizer.detach() is not None:
             self._book.release(self._rec)
 
-    def __enter__(self) -> "SharedTree":
+    def __enter__(self) -> SharedTree:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,24 +21,26 @@ import io
 import pickle
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .. import _errors, _pickling, _usercode
+from .._errors import CorruptTransferError, ShmHandleError
 from .._nojax import jax_loaded
 from .._pickling import PICKLE_PROTOCOL
-from . import _protocol
-from .._errors import CorruptTransferError, ShmHandleError
 from .._shm import ALIGN, Arena, Mapper
+from . import _protocol
 
-__all__ = ["prepare", "commit", "encode", "decode", "Held", "Encoded", "Prepared"]
+__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "encode", "prepare"]
+
 
 class Encoded:
     """A pickled object plus its shared-memory entries. ``handles`` lists the arena slots it
     holds (one reference each, owned by the borrower given to ``encode``)."""
 
-    __slots__ = ("data", "entries", "handles", "trees", "segs")
+    __slots__ = ("data", "entries", "handles", "segs", "trees")
 
     def __init__(self, data, entries, handles, trees, segs):
         self.data, self.entries, self.handles, self.trees, self.segs = data, entries, handles, trees, segs
@@ -273,8 +275,14 @@ def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     return buf.getvalue()
 
 
-def prepare(obj: Any, *, threshold: int | None, tree_type: type | None = None, locate: Callable | None = None,
-            to_parent: bool = False) -> Prepared:
+def prepare(
+    obj: Any,
+    *,
+    threshold: int | None,
+    tree_type: type | None = None,
+    locate: Callable | None = None,
+    to_parent: bool = False,
+) -> Prepared:
     """Pickle ``obj``, setting aside arrays of at least ``threshold`` bytes (None: none).
     Whatever pickles by reference travels by reference; the rest (lambdas, closures, local
     functions such as an optax optimizer's ``chain.<locals>.init_fn``) by value (Note [results
@@ -357,11 +365,25 @@ def commit(
     return Encoded(prep.data, entries, handles, prep.trees, segs)
 
 
-def encode(obj: Any, *, threshold: int | None, arena: Arena | None, borrower: Any, wait=None, peer=None,
-           tree_type=None, locate=None) -> Encoded:
+def encode(
+    obj: Any,
+    *,
+    threshold: int | None,
+    arena: Arena | None,
+    borrower: Any,
+    wait=None,
+    peer=None,
+    tree_type=None,
+    locate=None,
+) -> Encoded:
     """``commit(prepare(obj))``."""
-    return commit(prepare(obj, threshold=threshold if arena is not None else None, tree_type=tree_type, locate=locate),
-                  arena=arena, borrower=borrower, wait=wait, peer=peer)
+    return commit(
+        prepare(obj, threshold=threshold if arena is not None else None, tree_type=tree_type, locate=locate),
+        arena=arena,
+        borrower=borrower,
+        wait=wait,
+        peer=peer,
+    )
 
 
 def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
@@ -450,7 +472,9 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
     bufs = []
     for off, n in layout:
         if off < 0 or n < 0 or off + n > handle[2]:
-            raise ShmHandleError(f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)")
+            raise ShmHandleError(
+                f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)"
+            )
         bufs.append(raw[off : off + n])
     from .. import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
 
@@ -492,8 +516,17 @@ class Held:
 
     __slots__ = ("data", "holders", "makers", "placement")
 
-    def __init__(self, data: bytes, entries: list, mapper: Mapper, placement: str, *, readonly: bool = False,
-                 own: Callable | None = None, trees: Callable | None = None):
+    def __init__(
+        self,
+        data: bytes,
+        entries: list,
+        mapper: Mapper,
+        placement: str,
+        *,
+        readonly: bool = False,
+        own: Callable | None = None,
+        trees: Callable | None = None,
+    ):
         parsed, holders = _hold(entries, mapper, own, None)
         try:
             makers = [materializer(rec, holder, placement, trees, readonly) for rec, holder in zip(parsed, holders)]
@@ -521,7 +554,9 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
                 holder = None
             elif type(rec) is _protocol.RefEntry:
                 if own is None:
-                    raise CorruptTransferError("Corrupt message: a reference to this process's own memory where none can be")
+                    raise CorruptTransferError(
+                        "Corrupt message: a reference to this process's own memory where none can be"
+                    )
                 holder = own(rec.handle)
             else:
                 holder = mapper.holder(rec.handle)
@@ -532,7 +567,7 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
             unheld.extend(range(len(parsed), len(entries)))
         parsed.clear()
         holders.clear()
-        holder = None  # noqa: F841 - the traceback keeps this frame: hold no slot in it
+        holder = None
         raise
     return parsed, holders
 
@@ -572,8 +607,11 @@ def decode(
     for the cyclic garbage collector."""
     parsed, holders = _hold(entries, mapper, own, unheld)
     try:
-        return _unpickle(data, placement, (materialize(rec, holder, placement, trees, readonly)
-                                           for rec, holder in zip(parsed, holders)))
+        return _unpickle(
+            data,
+            placement,
+            (materialize(rec, holder, placement, trees, readonly) for rec, holder in zip(parsed, holders)),
+        )
     finally:
         holders.clear()
         parsed.clear()

@@ -260,7 +260,7 @@ class _Worker:
 
                 init, initargs = loads_in_child(cfg["initializer"])
                 init(*initargs)
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:
             if cfg.get("futures"):
                 # An Executor's worker logs it where concurrent.futures' workers do.
                 import logging
@@ -352,8 +352,9 @@ class _Worker:
         unheld: list = []
         start = time.perf_counter()
         try:
-            fn, mode, items = self.wire.decode(data, entries, self.mapper, self.placement, trees=self.tree,
-                                               unheld=unheld)
+            fn, mode, items = self.wire.decode(
+                data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
+            )
             del data, entries, msg
             if mode == "apply":
                 out = [fn(*a, **k) for a, k in items]
@@ -364,12 +365,12 @@ class _Worker:
             else:
                 raise self.protocol.CorruptTransferError(f"Corrupt task: unknown mode {mode!r}")
             del fn, items
-        except BaseException as e:  # noqa: BLE001 - sent to the parent
+        except BaseException as e:
             if isinstance(e, (SystemExit,)) and self.parent_gone:
                 raise
             ok = False
             out = _pack_error(e)
-            e = None  # noqa: F841  (drop the traceback's frames: they hold arrays)
+            e = None
         seconds = time.perf_counter() - start
         self._wait_start = None
         if ok:
@@ -399,8 +400,9 @@ class _Worker:
             bad = next((r for r in out if not _picklable(r)), out)
             return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
         try:
-            enc = self.wire.commit(prep, arena=self.arena, borrower="parent", wait=self.wait_for_release,
-                                   peer=self.mapper)
+            enc = self.wire.commit(
+                prep, arena=self.arena, borrower="parent", wait=self.wait_for_release, peer=self.mapper
+            )
         except BaseException as e:  # noqa: BLE001
             return False, _pack_error(e, note="while sending the task's result back to the parent"), [], ()
         return True, enc.data, enc.entries, enc.segs
@@ -444,8 +446,12 @@ def _start_jax_import() -> None:
     original = builtins.__import__
 
     def gated(name, globals=None, locals=None, fromlist=(), level=0):
-        if (level == 0 and not _jax_import_done.is_set() and (name in ("jax", "jaxlib") or name.startswith(_JAX_PREFIXES))
-                and threading.get_ident() != _jax_import_thread):
+        if (
+            level == 0
+            and not _jax_import_done.is_set()
+            and (name in ("jax", "jaxlib") or name.startswith(_JAX_PREFIXES))
+            and threading.get_ident() != _jax_import_thread
+        ):
             _jax_import_done.wait()
         return original(name, globals, locals, fromlist, level)
 

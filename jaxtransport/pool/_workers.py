@@ -19,17 +19,39 @@ from .. import _procenv, _shm
 from . import _claim
 from ._senders import FrameReader, Sender
 
-
 STARTING = -1  # the shared cell's value until the worker's own code runs (worker_main sets RUNNING)
 RUNNING = -2  # the worker's code runs; no chunk started yet (chunk ids are >= 0)
 
 
 class WorkerRec:
     __slots__ = (
-        "index", "serial", "key", "proc", "pid", "conn", "fdsock", "sock", "sentinel", "mapper",
-        "sender", "reader", "outstanding", "sent_segs", "trees", "ready", "retiring", "dead",
-        "stop_sent", "sent", "pace", "fault", "maxtasks", "cell", "claim", "taken_back",
+        "cell",
+        "claim",
+        "conn",
+        "dead",
+        "fault",
+        "fdsock",
         "held_back",
+        "index",
+        "key",
+        "mapper",
+        "maxtasks",
+        "outstanding",
+        "pace",
+        "pid",
+        "proc",
+        "reader",
+        "ready",
+        "retiring",
+        "sender",
+        "sent",
+        "sent_segs",
+        "sentinel",
+        "serial",
+        "sock",
+        "stop_sent",
+        "taken_back",
+        "trees",
     )
 
     def __init__(self, index: int, serial: int, proc, conn, fdsock, maxtasks: int | None, cell, claim=None):
@@ -131,7 +153,7 @@ class InitCall:
     stock pools do; an argument that cannot be pickled raises from ``Pool()`` itself.
     """
 
-    __slots__ = ("initializer", "initargs")
+    __slots__ = ("initargs", "initializer")
 
     def __init__(self, initializer, initargs):
         self.initializer = initializer
@@ -186,8 +208,17 @@ def loads_in_child(payload):
     return _ChildUnpickler(io.BytesIO(blob)).load()
 
 
-def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, config: dict,
-                 maxtasks: int | None, init: InitCall | None = None) -> WorkerRec:
+def start_worker(
+    ctx,
+    *,
+    start_method: str,
+    index: int,
+    serial: int,
+    env: dict,
+    config: dict,
+    maxtasks: int | None,
+    init: InitCall | None = None,
+) -> WorkerRec:
     """Start one worker process (spawn/forkserver) with ``env`` and ``config``; ``init`` (the
     pool's initializer) is pickled while the process spawns (Note [initargs])."""
     from ._worker import worker_main
@@ -196,8 +227,12 @@ def start_worker(ctx, *, start_method: str, index: int, serial: int, env: dict, 
     conn, child_conn = ctx.Pipe(duplex=True)
     fdsock, child_sock = _shm.fd_socketpair()
     block = _claim.new_block(ctx)  # multiprocessing's heap: an unlinked file, gone with its users
-    proc = ctx.Process(target=worker_main, args=(child_conn, child_sock, cfg, block, init), daemon=True,
-                       name=f"jaxtransport-pool-worker-{index}")
+    proc = ctx.Process(
+        target=worker_main,
+        args=(child_conn, child_sock, cfg, block, init),
+        daemon=True,
+        name=f"jaxtransport-pool-worker-{index}",
+    )
     try:
         if start_method == "spawn":
             # The child's environment is os.environ at exec time: set it there so that even
@@ -260,9 +295,14 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
         else:
             child_env[k] = str(v)
     try:
-        proc = subprocess.Popen([multiprocessing.spawn.get_executable(), "-c", _BOOTSTRAP],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                env=child_env, start_new_session=True)
+        proc = subprocess.Popen(
+            [multiprocessing.spawn.get_executable(), "-c", _BOOTSTRAP],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=child_env,
+            start_new_session=True,
+        )
     except OSError as e:
         return f"(jaxtransport could not run the start-up again to show why: {e})"
     try:
@@ -270,23 +310,31 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
     except subprocess.TimeoutExpired:
         _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))
         proc.communicate()
-        return (f"Running the same start-up again in a fresh interpreter did not finish within {timeout:.0f} s "
-                "(the main script runs a long computation at its top level?).")
+        return (
+            f"Running the same start-up again in a fresh interpreter did not finish within {timeout:.0f} s "
+            "(the main script runs a long computation at its top level?)."
+        )
     finally:
         _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))  # anything it left behind
     text = err.decode("utf-8", "replace").rstrip()
     if proc.returncode == 0:
-        return ("Running the same start-up again in a fresh interpreter (the main script as `__mp_main__`, the "
-                "worker's environment) succeeded, so the workers died later in their start (see their "
-                "output on stderr).")
+        return (
+            "Running the same start-up again in a fresh interpreter (the main script as `__mp_main__`, the "
+            "worker's environment) succeeded, so the workers died later in their start (see their "
+            "output on stderr)."
+        )
     tail = "\n".join(text.splitlines()[-20:])
     guard = ""
     if "bootstrapping phase" in text or "MainGuardError" in text:
-        guard = ('The main script starts processes outside `if __name__ == "__main__":`, which every '
-                 "worker runs again: guard the code that starts them with it. ")
-    return (f"{guard}Running the same start-up again in a fresh interpreter (the main script as "
-            f"`__mp_main__`, the worker's environment) exited with code {proc.returncode}; the end of its "
-            f"stderr:\n{tail}")
+        guard = (
+            'The main script starts processes outside `if __name__ == "__main__":`, which every '
+            "worker runs again: guard the code that starts them with it. "
+        )
+    return (
+        f"{guard}Running the same start-up again in a fresh interpreter (the main script as "
+        f"`__mp_main__`, the worker's environment) exited with code {proc.returncode}; the end of its "
+        f"stderr:\n{tail}"
+    )
 
 
 def _quietly(fn: Any) -> None:

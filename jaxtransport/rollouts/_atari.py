@@ -37,8 +37,10 @@ STACK = 4
 FRAME_SKIP = 4
 NOOP_MAX = 30
 
-_INSTALL = ("the Atari environments need the 'atari' extra: pip install 'jaxtransport[atari]' "
-            "(gymnasium, ale-py with its ROMs, opencv-python-headless)")
+_INSTALL = (
+    "the Atari environments need the 'atari' extra: pip install 'jaxtransport[atari]' "
+    "(gymnasium, ale-py with its ROMs, opencv-python-headless)"
+)
 
 
 class Spec(NamedTuple):
@@ -143,8 +145,7 @@ def _make_one(gid: str, frame_size: int):
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
     env = gym.make(gid, frameskip=1)  # AtariPreprocessing skips frames (with its max-pool)
-    env = AtariPreprocessing(env, noop_max=NOOP_MAX, frame_skip=FRAME_SKIP,
-                             screen_size=frame_size, grayscale_obs=True)
+    env = AtariPreprocessing(env, noop_max=NOOP_MAX, frame_skip=FRAME_SKIP, screen_size=frame_size, grayscale_obs=True)
     return FrameStackObservation(env, STACK)
 
 
@@ -212,8 +213,11 @@ class Actor:
                 ep_return[done] = 0.0
         self._obs = obs
         traj = Trajectory(
-            frames=jax.device_put(frames), actions=jnp.asarray(actions), logp=jnp.asarray(logp),
-            rewards=jnp.asarray(rewards), dones=jnp.asarray(dones),
+            frames=jax.device_put(frames),
+            actions=jnp.asarray(actions),
+            logp=jnp.asarray(logp),
+            rewards=jnp.asarray(rewards),
+            dones=jnp.asarray(dones),
             failures=jnp.asarray(failures),
             finished_return_sum=jnp.float32(finished_sum),
             finished_count=jnp.int32(finished_count),
@@ -246,10 +250,7 @@ def rollout_task(params, spec: Spec, slot: int, key, steps: int):
 def warm_up(warm: Warm) -> None:
     """Build ``warm.slot``'s environments (if given) and compile the acting step for these
     shapes in this process (zeros in, result dropped)."""
-    import jax
-    import jax.numpy as jnp
 
-    from . import _conv as conv
 
     for slot in range(warm.workers) if warm.slot is None else (warm.slot,):
         actor(warm.spec, slot)
@@ -266,8 +267,8 @@ def compile_act(warm: Warm) -> None:
     spec = warm.spec
     params = jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype),
-        jax.eval_shape(lambda: conv.init(jax.random.key(0), warm.actions, warm.hidden, STACK,
-                                         spec.frame_size)))
+        jax.eval_shape(lambda: conv.init(jax.random.key(0), warm.actions, warm.hidden, STACK, spec.frame_size)),
+    )
     obs = np.zeros((spec.envs, STACK, spec.frame_size, spec.frame_size), np.uint8)
     jax.block_until_ready(conv.act(params, obs, jax.random.key(0), np.int32(0)))
 
@@ -279,8 +280,11 @@ def trajectory_shape(spec: Spec, steps: int):
     e, s = spec.envs, spec.frame_size
     return Trajectory(
         frames=jnp.zeros((steps, e, STACK, s, s), jnp.uint8),
-        actions=jnp.zeros((steps, e), jnp.int32), logp=jnp.zeros((steps, e), jnp.float32),
-        rewards=jnp.zeros((steps, e), jnp.float32), dones=jnp.zeros((steps, e), bool),
-        failures=jnp.zeros((steps, e), bool), finished_return_sum=jnp.float32(0),
+        actions=jnp.zeros((steps, e), jnp.int32),
+        logp=jnp.zeros((steps, e), jnp.float32),
+        rewards=jnp.zeros((steps, e), jnp.float32),
+        dones=jnp.zeros((steps, e), bool),
+        failures=jnp.zeros((steps, e), bool),
+        finished_return_sum=jnp.float32(0),
         finished_count=jnp.int32(0),
     )

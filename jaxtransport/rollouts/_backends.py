@@ -28,11 +28,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 from . import _atari as atari
 from . import _worker as worker
-from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 
 BACKENDS = ("pool", "ray", "queue", "threads")
 TRANSPORTS = ("jaxtransport", "stock")
@@ -138,8 +139,7 @@ class _PoolBackend(Backend):
     _pool: Any
 
     def map(self, handle, tasks):
-        res = self._pool.starmap_async(worker.run_task, [(handle, *t) for t in tasks],
-                                       chunksize=1)
+        res = self._pool.starmap_async(worker.run_task, [(handle, *t) for t in tasks], chunksize=1)
         try:
             return res.get(self.timeout)
         except multiprocessing.TimeoutError:
@@ -192,8 +192,7 @@ class JaxtransportPool(_PoolBackend):
         from ..pool import Pool  # jaxtransport.Pool
 
         env = worker_env(workers)
-        self._pool = Pool(workers, initializer=_warm_up, initargs=(env, warm),
-                          start_method="spawn", worker_env=env)
+        self._pool = Pool(workers, initializer=_warm_up, initargs=(env, warm), start_method="spawn", worker_env=env)
 
     def broadcast(self, params):
         return self._pool.share(params)
@@ -244,8 +243,13 @@ class RaySession:
     with ``num_cpus=workers``; :meth:`close` shuts the connection (and a local Ray) down.
     """
 
-    def __init__(self, workers: int, address: str | None = None,
-                 transports: Sequence[str] = ("jaxtransport",), cpu_wait_s: float = 120.0):
+    def __init__(
+        self,
+        workers: int,
+        address: str | None = None,
+        transports: Sequence[str] = ("jaxtransport",),
+        cpu_wait_s: float = 120.0,
+    ):
         try:
             import ray
         except ImportError as exc:
@@ -287,8 +291,9 @@ class RaySession:
         """Set this driver's serializers for a run with ``transport``."""
         if transport == "jaxtransport":
             if self._jt_ray is None:
-                raise ValueError("this RaySession was started without jaxtransport: pass "
-                                 "transports=('jaxtransport', ...)")
+                raise ValueError(
+                    "this RaySession was started without jaxtransport: pass transports=('jaxtransport', ...)"
+                )
             self._jt_ray.register()
         elif self._jt_ray is not None:
             self._jt_ray.unregister()
@@ -315,9 +320,16 @@ class RayBackend(Backend):
     transport, which ``close()`` shuts down again; ``close()`` always kills this run's actors.
     """
 
-    def __init__(self, workers: int, transport: str, address: str | None, timeout: float,
-                 warm: tuple | None = None, cpu_wait_s: float = 120.0,
-                 session: RaySession | None = None):
+    def __init__(
+        self,
+        workers: int,
+        transport: str,
+        address: str | None,
+        timeout: float,
+        warm: tuple | None = None,
+        cpu_wait_s: float = 120.0,
+        session: RaySession | None = None,
+    ):
         self.timeout = timeout
         self.name = f"ray/{transport}"
         self._own = session is None
@@ -326,11 +338,9 @@ class RayBackend(Backend):
         self._actors: list = []
         try:
             self._session.use(transport)
-            actor = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
-                RolloutWorker)
+            actor = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
             env = worker_env(workers)
-            self._actors = [actor.remote(env, _for_slot(warm, i), transport)
-                            for i in range(workers)]
+            self._actors = [actor.remote(env, _for_slot(warm, i), transport) for i in range(workers)]
         except BaseException:
             self.close()
             raise
@@ -381,8 +391,7 @@ class _ActorItem(NamedTuple):
     actor: int  # the actor's index
 
 
-def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shape: tuple,
-               max_lag: int = 1) -> None:
+def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shape: tuple, max_lag: int = 1) -> None:
     """A streaming actor (``--backend queue`` in a process, ``--backend threads`` in a
     thread): steps its environments continuously, puts each trajectory on ``traj_q`` with the
     version of the parameters that produced it, and picks up the newest parameters the learner
@@ -402,8 +411,14 @@ def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shap
         envs_of_actor = atari.Actor(warm.spec, index)
         try:
             atari.compile_act(warm)
-            _stream(index, params_q, traj_q, base, max_lag,
-                    lambda params, key: envs_of_actor.rollout(params, key, warm.steps))
+            _stream(
+                index,
+                params_q,
+                traj_q,
+                base,
+                max_lag,
+                lambda params, key: envs_of_actor.rollout(params, key, warm.steps),
+            )
         finally:
             envs_of_actor.close()
     else:
@@ -446,8 +461,9 @@ def _stream(index: int, params_q, traj_q, base, max_lag: int, step) -> None:
         item = (version, params)
 
 
-def actor_main(index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int,
-               shape: tuple, max_lag: int = 1) -> None:
+def actor_main(
+    index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int, shape: tuple, max_lag: int = 1
+) -> None:
     """A streaming actor process: sets the worker environment (before JAX initialises here),
     then runs :func:`actor_loop`."""
     apply_environ(env)
@@ -467,8 +483,7 @@ def _rollouts(items: list, version: int) -> list:
     order): which actor's trajectory arrived first varies from run to run, the learner's
     batch then does not (with ``--max-lag 0`` it is the same, bit for bit, every run)."""
     items = sorted(enumerate(items), key=lambda p: (p[1].actor, p[0]))
-    return [worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version)
-            for _, it in items]
+    return [worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version) for _, it in items]
 
 
 class QueueBackend(Backend):
@@ -495,8 +510,16 @@ class QueueBackend(Backend):
     one host copy of the parameters for all actors (a torn or deleted read otherwise).
     """
 
-    def __init__(self, workers: int, transport: str, warm: tuple | None, timeout: float,
-                 seed: int = 0, shape: tuple | None = None, max_lag: int = 1):
+    def __init__(
+        self,
+        workers: int,
+        transport: str,
+        warm: tuple | None,
+        timeout: float,
+        seed: int = 0,
+        shape: tuple | None = None,
+        max_lag: int = 1,
+    ):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
 
@@ -517,8 +540,12 @@ class QueueBackend(Backend):
         try:
             with environ_overlay(env):
                 for i in range(workers):
-                    p = ctx.Process(target=actor_main, args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag),
-                                    daemon=True, name=f"jaxtransport-rollouts-actor-{i}")
+                    p = ctx.Process(
+                        target=actor_main,
+                        args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag),
+                        daemon=True,
+                        name=f"jaxtransport-rollouts-actor-{i}",
+                    )
                     p.start()
                     self._procs.append(p)
         except BaseException:
@@ -532,8 +559,11 @@ class QueueBackend(Backend):
         first = self._version % len(self._params)
         queues = self._params[first:] + self._params[:first]
         self._publishing = threading.Thread(
-            target=self._publish, args=(queues, (self._version, params)),
-            name="jaxtransport-rollouts-publisher", daemon=True)
+            target=self._publish,
+            args=(queues, (self._version, params)),
+            name="jaxtransport-rollouts-publisher",
+            daemon=True,
+        )
         self._publishing.start()
         return self._version
 
@@ -581,7 +611,8 @@ class QueueBackend(Backend):
                 if dead:
                     raise RuntimeError(
                         f"{self.name}: rollout actor {dead[0].name} (pid {dead[0].pid}) exited with code "
-                        f"{dead[0].exitcode}: check its output above") from None
+                        f"{dead[0].exitcode}: check its output above"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise _timeout_error(self.name, self.timeout) from None
                 continue
@@ -645,8 +676,15 @@ class ThreadsBackend(Backend):
     as a daemon thread, with a warning.
     """
 
-    def __init__(self, workers: int, warm: tuple | None, timeout: float, seed: int = 0,
-                 shape: tuple | None = None, max_lag: int = 1):
+    def __init__(
+        self,
+        workers: int,
+        warm: tuple | None,
+        timeout: float,
+        seed: int = 0,
+        shape: tuple | None = None,
+        max_lag: int = 1,
+    ):
         import queue as _queue
 
         shape = _shape(warm, shape)
@@ -658,8 +696,12 @@ class ThreadsBackend(Backend):
         self._params: list[_queue.Queue] = [_queue.Queue() for _ in range(workers)]
         self._threads = []
         for i in range(workers):
-            t = threading.Thread(target=self._run, name=f"jaxtransport-rollouts-actor-{i}",
-                                 args=(i, warm, seed, shape, max_lag), daemon=True)
+            t = threading.Thread(
+                target=self._run,
+                name=f"jaxtransport-rollouts-actor-{i}",
+                args=(i, warm, seed, shape, max_lag),
+                daemon=True,
+            )
             t.start()
             self._threads.append(t)
 
@@ -696,8 +738,9 @@ class ThreadsBackend(Backend):
             except _queue.Empty:
                 if self._errors:
                     name, exc = self._errors[0]
-                    raise RuntimeError(f"{self.name}: rollout actor thread {name} failed: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                    raise RuntimeError(
+                        f"{self.name}: rollout actor thread {name} failed: {type(exc).__name__}: {exc}"
+                    ) from exc
                 if time.monotonic() > deadline:
                     raise _timeout_error(self.name, self.timeout) from None
                 continue
@@ -723,9 +766,12 @@ class ThreadsBackend(Backend):
                 pass
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            print(f"warning: {self.name}: actor threads {', '.join(stuck)} did not stop within "
-                  f"{grace:g}s (a thread cannot be killed); left running as daemon threads",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {self.name}: actor threads {', '.join(stuck)} did not stop within "
+                f"{grace:g}s (a thread cannot be killed); left running as daemon threads",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self):
         self._stop(self.timeout)
@@ -742,8 +788,11 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < workers:
-        print(f"waiting up to {timeout:.0f}s for the cluster to offer {workers} CPUs "
-              f"(it has {cpus:g})...", file=sys.stderr, flush=True)
+        print(
+            f"waiting up to {timeout:.0f}s for the cluster to offer {workers} CPUs (it has {cpus:g})...",
+            file=sys.stderr,
+            flush=True,
+        )
     while cpus < workers and time.monotonic() < deadline:
         time.sleep(1.0)
         cpus = ray.cluster_resources().get("CPU", 0)
@@ -754,13 +803,25 @@ def _wait_for_cpus(ray, workers: int, timeout: float) -> None:
             "--address to use a local Ray"
         )
     if cpus < workers:
-        print(f"note: the cluster offers {cpus:g} CPUs for {workers} workers: tasks will queue",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: the cluster offers {cpus:g} CPUs for {workers} workers: tasks will queue",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def make(backend: str, transport: str, workers: int, *, address: str | None = None,
-         warm: tuple | None = None, timeout: float = 600.0,
-         session: RaySession | None = None, seed: int = 0, max_lag: int = 1) -> Backend:
+def make(
+    backend: str,
+    transport: str,
+    workers: int,
+    *,
+    address: str | None = None,
+    warm: tuple | None = None,
+    timeout: float = 600.0,
+    session: RaySession | None = None,
+    seed: int = 0,
+    max_lag: int = 1,
+) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
     before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray

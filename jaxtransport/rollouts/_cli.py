@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from . import _backends as backends
 from . import _report as report
 
-__all__ = ["Config", "IterationStats", "RunResult", "train", "main"]
+__all__ = ["Config", "IterationStats", "RunResult", "main", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,9 @@ class Config:
             from . import _conv as conv
 
             if self.frame_size < conv.MIN_FRAME:
-                raise ValueError(f"--frame-size must be >= {conv.MIN_FRAME} pixels for an "
-                                 f"Atari game, got {self.frame_size!r}")
+                raise ValueError(
+                    f"--frame-size must be >= {conv.MIN_FRAME} pixels for an Atari game, got {self.frame_size!r}"
+                )
 
     @property
     def atari(self) -> bool:
@@ -72,7 +74,7 @@ class Config:
         return self.env != "cartpole"
 
     @classmethod
-    def for_env(cls, env: str = "cartpole", **kwargs) -> "Config":
+    def for_env(cls, env: str = "cartpole", **kwargs) -> Config:
         """A config for ``env`` whose unspecified sizes are that environment's defaults."""
         if env != "cartpole":
             kwargs = {**ATARI_DEFAULTS, **kwargs}
@@ -81,8 +83,8 @@ class Config:
 
 # An Atari iteration: 8 ALE environments x 64 steps per actor (x 4 frames skipped), 14 MiB of
 # stacked frames per actor; the conv policy's ~0.2 MiB is broadcast.
-ATARI_DEFAULTS = {"envs": 8, "steps": 64, "iterations": 30, "hidden": 64, "lr": 5e-4,
-                  "entropy_coef": 0.01}
+ATARI_DEFAULTS = {"envs": 8, "steps": 64, "iterations": 30, "hidden": 64, "lr": 5e-4, "entropy_coef": 0.01}
+
 
 @dataclasses.dataclass
 class IterationStats:
@@ -113,7 +115,7 @@ class RunResult:
     @property
     def timed(self) -> list[IterationStats]:
         """The iterations after the warm-up ones (all of them if there are no others)."""
-        rest = self.iterations[self.config.warmup:]
+        rest = self.iterations[self.config.warmup :]
         return rest or self.iterations
 
     def total(self, field: str) -> float:
@@ -132,8 +134,14 @@ def _label(backend: str, transport: str) -> str:
     return backend if backend == "threads" else f"{backend}/{transport}"
 
 
-def train(cfg: Config, transport: str, *, out: TextIO | None = None,
-          err: TextIO | None = None, session: backends.RaySession | None = None) -> RunResult:
+def train(
+    cfg: Config,
+    transport: str,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    session: backends.RaySession | None = None,
+) -> RunResult:
     """Run the loop with one transport; print a line per iteration to ``out`` and, when both
     ``out`` and ``err`` are terminals, a progress bar on ``err`` (``None``: stdout/stderr; pass
     ``io.StringIO()`` to silence). ``session``: the Ray connection for ``--backend ray``
@@ -174,15 +182,23 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
     opt = policy.adam_init(params)
     param_bytes = policy.num_bytes(params)
     result = RunResult(cfg.backend, transport, cfg, param_bytes, [])
-    bar = report.ProgressBar(cfg.iterations, err, label=label,
-                             enabled=report.is_terminal(out) and report.is_terminal(err))
+    bar = report.ProgressBar(
+        cfg.iterations, err, label=label, enabled=report.is_terminal(out) and report.is_terminal(err)
+    )
 
     def learn(params, opt, trajs):
         if cfg.atari:
-            return conv.learn(params, opt, trajs, cfg.lr, gamma=cfg.gamma,
-                              entropy_coef=cfg.entropy_coef)
-        return worker.learn(params, opt, trajs, cfg.lr, cfg.table_lr, frame_size=cfg.frame_size,
-                            gamma=cfg.gamma, entropy_coef=cfg.entropy_coef)
+            return conv.learn(params, opt, trajs, cfg.lr, gamma=cfg.gamma, entropy_coef=cfg.entropy_coef)
+        return worker.learn(
+            params,
+            opt,
+            trajs,
+            cfg.lr,
+            cfg.table_lr,
+            frame_size=cfg.frame_size,
+            gamma=cfg.gamma,
+            entropy_coef=cfg.entropy_coef,
+        )
 
     def warm_up_learner():
         if cfg.atari:
@@ -191,8 +207,15 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
             jax.block_until_ready(learn(*zeros, trajs))
         else:
             worker.warm_up_learner(
-                params, opt, carries[0], cfg.workers, cfg.lr, cfg.table_lr,
-                frame_size=cfg.frame_size, steps=cfg.steps, gamma=cfg.gamma,
+                params,
+                opt,
+                carries[0],
+                cfg.workers,
+                cfg.lr,
+                cfg.table_lr,
+                frame_size=cfg.frame_size,
+                steps=cfg.steps,
+                gamma=cfg.gamma,
                 entropy_coef=cfg.entropy_coef,
             )
 
@@ -200,26 +223,41 @@ def train(cfg: Config, transport: str, *, out: TextIO | None = None,
         f"# {label}: {cfg.workers} workers x {cfg.envs} envs x {cfg.steps} "
         f"steps, {what} {cfg.frame_size}x{cfg.frame_size} {frames_desc}, "
         f"policy {param_bytes / report.MiB:.1f} MiB",
-        file=out, flush=True,
+        file=out,
+        flush=True,
     )
-    print(f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
-          "the rollout in each, and the learner here ...", file=out, flush=True)
-    with backends.make(cfg.backend, transport, cfg.workers, address=cfg.address,
-                       warm=warm, timeout=cfg.task_timeout, session=session,
-                       seed=cfg.seed, max_lag=cfg.max_lag) as be:
+    print(
+        f"start-up: starting {cfg.workers} {report.worker_noun(cfg.backend)} and compiling "
+        "the rollout in each, and the learner here ...",
+        file=out,
+        flush=True,
+    )
+    with backends.make(
+        cfg.backend,
+        transport,
+        cfg.workers,
+        address=cfg.address,
+        warm=warm,
+        timeout=cfg.task_timeout,
+        session=session,
+        seed=cfg.seed,
+        max_lag=cfg.max_lag,
+    ) as be:
         # The workers start and compile in the background while the learner compiles here.
         warm_up_learner()
         be.wait_ready()
-        print(f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any "
-              "iteration)", file=out, flush=True)
+        print(
+            f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any iteration)",
+            file=out,
+            flush=True,
+        )
         for it in range(cfg.iterations):
             keys = jax.random.split(jax.random.fold_in(k_steps, it), cfg.workers)
             tasks: list[tuple]
             if cfg.atari:
                 tasks = [(spec, w, keys[w], cfg.steps) for w in range(cfg.workers)]
             else:
-                tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps)
-                         for w in range(cfg.workers)]
+                tasks = [(carries[w], keys[w], cfg.frame_size, cfg.steps) for w in range(cfg.workers)]
             start = time.perf_counter()
             handle = be.broadcast(params)
             results = [worker.Rollout(*r) for r in be.map(handle, tasks)]
@@ -312,56 +350,99 @@ def _parser() -> argparse.ArgumentParser:
         "learner: measures how fast jax.Arrays move between the learner and its actors.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--env", default=d.env,
-                   help="cartpole (jax.numpy, in the workers' jitted scan) or an ALE game "
-                   "(pong, breakout, space_invaders, ...: gymnasium + ale-py, "
-                   "pip install 'jaxtransport[atari]'), stepped in Python by each actor")
-    p.add_argument("--backend", choices=backends.BACKENDS, default=d.backend,
-                   help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
-                   "ray: one Ray actor per worker; queue: long-lived actors streaming "
-                   "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
-                   "and picking up new parameters as the learner publishes them; threads: the "
-                   "same streaming actors as threads of this process with queue.Queue, nothing "
-                   "serialized (the cleanba/Sebulba design; no --transport)")
-    p.add_argument("--address", default=None,
-                   help="address of a running Ray cluster (head:6379, or auto); this machine "
-                   "must be one of its nodes (ray start --address=...); none: start a local "
-                   "Ray with --workers CPUs")
-    p.add_argument("--transport", choices=backends.TRANSPORTS, default="jaxtransport",
-                   help="stock: multiprocessing's pickling / Ray's default serialization")
-    p.add_argument("--compare", action="store_true",
-                   help="run stock then jaxtransport with the same seed and print the speedup")
+    p.add_argument(
+        "--env",
+        default=d.env,
+        help="cartpole (jax.numpy, in the workers' jitted scan) or an ALE game "
+        "(pong, breakout, space_invaders, ...: gymnasium + ale-py, "
+        "pip install 'jaxtransport[atari]'), stepped in Python by each actor",
+    )
+    p.add_argument(
+        "--backend",
+        choices=backends.BACKENDS,
+        default=d.backend,
+        help="pool: jaxtransport.Pool / multiprocessing.Pool, no services; "
+        "ray: one Ray actor per worker; queue: long-lived actors streaming "
+        "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
+        "and picking up new parameters as the learner publishes them; threads: the "
+        "same streaming actors as threads of this process with queue.Queue, nothing "
+        "serialized (the cleanba/Sebulba design; no --transport)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="address of a running Ray cluster (head:6379, or auto); this machine "
+        "must be one of its nodes (ray start --address=...); none: start a local "
+        "Ray with --workers CPUs",
+    )
+    p.add_argument(
+        "--transport",
+        choices=backends.TRANSPORTS,
+        default="jaxtransport",
+        help="stock: multiprocessing's pickling / Ray's default serialization",
+    )
+    p.add_argument(
+        "--compare", action="store_true", help="run stock then jaxtransport with the same seed and print the speedup"
+    )
     p.add_argument("--workers", type=int, default=d.workers, help="worker processes (actors)")
-    p.add_argument("--iterations", type=int, default=None,
-                   help=f"learner updates (default {d.iterations}; Atari {a['iterations']})")
-    p.add_argument("--envs", type=int, default=None,
-                   help=f"environments per worker (default {d.envs}; Atari {a['envs']})")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"steps per environment per iteration (default {d.steps}; "
-                   f"Atari {a['steps']})")
-    p.add_argument("--frame-size", type=int, default=d.frame_size,
-                   help="observation frames are SIZE x SIZE uint8 pixels")
-    p.add_argument("--param-mb", type=float, default=d.param_mb,
-                   help="CartPole's policy size in MiB of float32 parameters (the embedding "
-                   "table grows); the Atari policy is a fixed small convolutional network")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help=f"learner updates (default {d.iterations}; Atari {a['iterations']})",
+    )
+    p.add_argument(
+        "--envs", type=int, default=None, help=f"environments per worker (default {d.envs}; Atari {a['envs']})"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"steps per environment per iteration (default {d.steps}; Atari {a['steps']})",
+    )
+    p.add_argument(
+        "--frame-size", type=int, default=d.frame_size, help="observation frames are SIZE x SIZE uint8 pixels"
+    )
+    p.add_argument(
+        "--param-mb",
+        type=float,
+        default=d.param_mb,
+        help="CartPole's policy size in MiB of float32 parameters (the embedding "
+        "table grows); the Atari policy is a fixed small convolutional network",
+    )
     p.add_argument("--hidden", type=int, default=d.hidden, help="width of the dense layer")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"Adam learning rate (default {d.lr:g}; Atari {a['lr']:g})")
-    p.add_argument("--table-lr", type=float, default=d.table_lr,
-                   help="CartPole: per-sample SGD step of the embedding table")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="fixes the policy, the environments and the actions: runs repeat exactly")
-    p.add_argument("--warmup", type=int, default=d.warmup,
-                   help="leading iterations left out of the throughput table (compilation, "
-                   "worker start-up); they still train")
-    p.add_argument("--max-lag", type=int, default=d.max_lag,
-                   help="--backend queue/threads: how many rollouts each actor may run ahead of "
-                   "the learner's updates (0: on-policy, acting and learning take turns; 1: "
-                   "actors step while the learner updates, on data one update old, which the "
-                   "learner corrects with truncated importance weights)")
-    p.add_argument("--task-timeout", type=float, default=d.task_timeout,
-                   help="seconds an iteration's rollout tasks may take before the demo stops "
-                   "with an error instead of waiting on a dead or hung worker")
+    p.add_argument("--lr", type=float, default=None, help=f"Adam learning rate (default {d.lr:g}; Atari {a['lr']:g})")
+    p.add_argument(
+        "--table-lr", type=float, default=d.table_lr, help="CartPole: per-sample SGD step of the embedding table"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="fixes the policy, the environments and the actions: runs repeat exactly",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="leading iterations left out of the throughput table (compilation, worker start-up); they still train",
+    )
+    p.add_argument(
+        "--max-lag",
+        type=int,
+        default=d.max_lag,
+        help="--backend queue/threads: how many rollouts each actor may run ahead of "
+        "the learner's updates (0: on-policy, acting and learning take turns; 1: "
+        "actors step while the learner updates, on data one update old, which the "
+        "learner corrects with truncated importance weights)",
+    )
+    p.add_argument(
+        "--task-timeout",
+        type=float,
+        default=d.task_timeout,
+        help="seconds an iteration's rollout tasks may take before the demo stops "
+        "with an error instead of waiting on a dead or hung worker",
+    )
     return p
 
 
@@ -369,20 +450,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     env = args.env.lower() if args.env.lower() == "cartpole" else args.env
-    given = {k: getattr(args, k) for k in ("iterations", "envs", "steps", "lr")
-             if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("iterations", "envs", "steps", "lr") if getattr(args, k) is not None}
     cfg = Config.for_env(
-        env, backend=args.backend, address=args.address, workers=args.workers,
-        frame_size=args.frame_size, param_mb=args.param_mb, hidden=args.hidden,
-        table_lr=args.table_lr, task_timeout=args.task_timeout, max_lag=args.max_lag,
-        seed=args.seed, warmup=args.warmup, **given,
+        env,
+        backend=args.backend,
+        address=args.address,
+        workers=args.workers,
+        frame_size=args.frame_size,
+        param_mb=args.param_mb,
+        hidden=args.hidden,
+        table_lr=args.table_lr,
+        task_timeout=args.task_timeout,
+        max_lag=args.max_lag,
+        seed=args.seed,
+        warmup=args.warmup,
+        **given,
     )
     try:
         cfg.validate()
         if cfg.backend == "threads" and (args.compare or args.transport == "stock"):
-            raise ValueError("--backend threads moves nothing between processes: it has no "
-                             "--transport and no --compare (run --backend queue --compare for "
-                             "the same actors as processes)")
+            raise ValueError(
+                "--backend threads moves nothing between processes: it has no "
+                "--transport and no --compare (run --backend queue --compare for "
+                "the same actors as processes)"
+            )
         if cfg.atari:
             from . import _atari as atari
 
@@ -398,8 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if cfg.backend == "ray":
             # Before this process initializes JAX: starting Ray forks (see RaySession).
-            print(f"# starting Ray ({'a local Ray' if cfg.address is None else cfg.address}) "
-                  "...", flush=True)
+            print(f"# starting Ray ({'a local Ray' if cfg.address is None else cfg.address}) ...", flush=True)
             session = backends.RaySession(cfg.workers, cfg.address, transports)
         for transport in transports:
             runs.append(train(cfg, transport, session=session))

@@ -38,8 +38,7 @@ def init(key: jax.Array, actions: int, hidden: int, stack: int, frame_size: int)
     """Fresh parameters (float32) for ``actions`` actions on ``stack`` frames of
     ``frame_size`` pixels square (He-initialised; a near-uniform first policy)."""
     if frame_size < MIN_FRAME:
-        raise ValueError(f"--frame-size must be at least {MIN_FRAME} pixels for the Atari "
-                         f"policy, got {frame_size!r}")
+        raise ValueError(f"--frame-size must be at least {MIN_FRAME} pixels for the Atari policy, got {frame_size!r}")
     k0, k1, k2 = jax.random.split(key, 3)
     fan_in = stack * PATCH * PATCH
     flat = FILTERS * (_grid(frame_size) // 2) ** 2
@@ -88,20 +87,18 @@ def learn(params, opt, trajs, lr, *, gamma: float, entropy_coef: float):
     truncated importance weights, entropy bonus, Adam."""
     acts = jnp.concatenate([t.actions for t in trajs], axis=1)
     logps = jnp.concatenate([t.logp for t in trajs], axis=1)
-    rets = jnp.concatenate([
-        policy.discounted_returns(jnp.clip(t.rewards, -1.0, 1.0).T, t.failures.T, gamma).T
-        for t in trajs
-    ], axis=1)
+    rets = jnp.concatenate(
+        [policy.discounted_returns(jnp.clip(t.rewards, -1.0, 1.0).T, t.failures.T, gamma).T for t in trajs], axis=1
+    )
     adv = policy.advantages(rets)
 
     def loss_fn(p):
         # Per trajectory, then concatenated in the same (T, E) layout as the targets: the
         # frames (the bulk) are never copied into one array.
-        logits = jnp.concatenate([
-            apply(p, t.frames.reshape((-1,) + t.frames.shape[2:])).reshape(
-                t.frames.shape[:2] + (-1,))
-            for t in trajs
-        ], axis=1)
+        logits = jnp.concatenate(
+            [apply(p, t.frames.reshape((-1,) + t.frames.shape[2:])).reshape(t.frames.shape[:2] + (-1,)) for t in trajs],
+            axis=1,
+        )
         batch = policy.Batch(None, acts.reshape(-1), adv, logps.reshape(-1))
         return policy.pg_loss(logits.reshape(-1, logits.shape[-1]), batch, entropy_coef)
 

@@ -79,9 +79,7 @@ def step(state: EnvState, action: jax.Array, key: jax.Array):
     force = jnp.where(action == 1, FORCE_MAG, -FORCE_MAG)
     cos, sin = jnp.cos(state.theta), jnp.sin(state.theta)
     temp = (force + POLE_MASS_LENGTH * state.theta_dot**2 * sin) / TOTAL_MASS
-    theta_acc = (GRAVITY * sin - cos * temp) / (
-        HALF_LENGTH * (4.0 / 3.0 - MASS_POLE * cos**2 / TOTAL_MASS)
-    )
+    theta_acc = (GRAVITY * sin - cos * temp) / (HALF_LENGTH * (4.0 / 3.0 - MASS_POLE * cos**2 / TOTAL_MASS))
     x_acc = temp - POLE_MASS_LENGTH * theta_acc * cos / TOTAL_MASS
     x = state.x + TAU * state.x_dot
     x_dot = state.x_dot + TAU * x_acc
@@ -170,8 +168,9 @@ def read_frame(frame: jax.Array, frame_size: int) -> jax.Array:
     flat = frame.reshape((n,) + frame.shape[-2:])
     blocks = -(-n // _READ_BLOCK)
     flat = jnp.pad(flat, ((0, blocks * _READ_BLOCK - n), (0, 0), (0, 0)))
-    out = jax.lax.map(lambda b: _read_frame_block(b, frame_size),
-                      flat.reshape((blocks, _READ_BLOCK) + frame.shape[-2:]))
+    out = jax.lax.map(
+        lambda b: _read_frame_block(b, frame_size), flat.reshape((blocks, _READ_BLOCK) + frame.shape[-2:])
+    )
     return out.reshape((blocks * _READ_BLOCK, 2))[:n].reshape(lead + (2,))
 
 
@@ -185,15 +184,13 @@ def _read_frame_block(frame: jax.Array, frame_size: int) -> jax.Array:
     # Per-row intensity moments (mass, column moment) as one matrix product: XLA's CPU
     # reductions over a multiplied operand are several times slower than this GEMM.
     flat = rows.reshape(-1, frame_size).astype(jnp.float32)
-    moments = (flat @ jnp.stack([jnp.ones_like(centres), centres], 1)).reshape(
-        rows.shape[:-1] + (2,)
-    )
+    moments = (flat @ jnp.stack([jnp.ones_like(centres), centres], 1)).reshape(rows.shape[:-1] + (2,))
     mass, col = moments[..., 0], moments[..., 1]
     cart_mass = jnp.maximum(mass[..., r0:].sum(-1), 1e-3)
     pole_mass = jnp.maximum(mass[..., :r0].sum(-1), 1e-3)
     cx = col[..., r0:].sum(-1) / cart_mass
     pc = col[..., :r0].sum(-1) / pole_mass
-    pr = (mass[..., :r0] * centres[first:first + r0]).sum(-1) / pole_mass
+    pr = (mass[..., :r0] * centres[first : first + r0]).sum(-1) / pole_mass
     theta = jnp.arctan2(pc - cx, top - pr)
     return jnp.stack([cx / px_per_m - VIEW_X, theta], axis=-1)
 

@@ -147,8 +147,7 @@ def advantages(returns: jax.Array) -> jax.Array:
     return (adv / (adv.std() + 1e-6)).reshape(-1)
 
 
-def update(params: dict, opt: "Adam", batch: Batch, lr: float, table_lr: float,
-           entropy_coef: float):
+def update(params: dict, opt: Adam, batch: Batch, lr: float, table_lr: float, entropy_coef: float):
     """One REINFORCE step. Returns ``(params, opt, loss)``.
 
     The dense layers take an Adam step. The embedding table takes a sparse SGD step, as tile
@@ -158,13 +157,13 @@ def update(params: dict, opt: "Adam", batch: Batch, lr: float, table_lr: float,
     """
     dense = {k: v for k, v in params.items() if k != "table"}
     bag, idx = embed(params["table"], batch.features)
-    loss, (g_dense, g_bag) = jax.value_and_grad(reinforce_loss, argnums=(0, 1))(
-        dense, bag, batch, entropy_coef
-    )
+    loss, (g_dense, g_bag) = jax.value_and_grad(reinforce_loss, argnums=(0, 1))(dense, bag, batch, entropy_coef)
     dense, opt = adam_update(dense, g_dense, opt, lr)
     step = (-table_lr * bag.shape[0] / N_TILINGS) * g_bag
-    table = params["table"].at[idx.reshape(-1)].add(
-        jnp.repeat(step, N_TILINGS, axis=0), indices_are_sorted=False, unique_indices=False
+    table = (
+        params["table"]
+        .at[idx.reshape(-1)]
+        .add(jnp.repeat(step, N_TILINGS, axis=0), indices_are_sorted=False, unique_indices=False)
     )
     return {"table": table, **dense}, opt, loss
 
@@ -191,8 +190,7 @@ class Adam(NamedTuple):
 def adam_init(params: dict) -> Adam:
     """Adam moments for the dense parameters (every key but ``table``)."""
     dense = {k: v for k, v in params.items() if k != "table"}
-    return Adam(jnp.int32(0), jax.tree.map(jnp.zeros_like, dense),
-                jax.tree.map(jnp.zeros_like, dense))
+    return Adam(jnp.int32(0), jax.tree.map(jnp.zeros_like, dense), jax.tree.map(jnp.zeros_like, dense))
 
 
 def adam_update(params, grads, state: Adam, lr, b1=0.9, b2=0.999, eps=1e-8):
@@ -201,7 +199,5 @@ def adam_update(params, grads, state: Adam, lr, b1=0.9, b2=0.999, eps=1e-8):
     nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
     c1 = 1 - b1 ** step.astype(jnp.float32)
     c2 = 1 - b2 ** step.astype(jnp.float32)
-    params = jax.tree.map(
-        lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps), params, mu, nu
-    )
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps), params, mu, nu)
     return params, Adam(step, mu, nu)

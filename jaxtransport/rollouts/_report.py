@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import TYPE_CHECKING, Sequence, TextIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from ._cli import Config, IterationStats, RunResult
@@ -21,8 +22,9 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def worker_noun(backend: str) -> str:
-    return {"ray": "Ray actors", "queue": "streaming actor processes",
-            "threads": "actor threads"}.get(backend, "worker processes")
+    return {"ray": "Ray actors", "queue": "streaming actor processes", "threads": "actor threads"}.get(
+        backend, "worker processes"
+    )
 
 
 class ProgressBar:
@@ -32,8 +34,7 @@ class ProgressBar:
     lines go anywhere but a terminal too: in a log or a pipe, a bar's frames would repeat every
     iteration line, so there the iteration lines alone report progress."""
 
-    def __init__(self, total: int, stream: TextIO, label: str, width: int = 30,
-                 enabled: bool | None = None):
+    def __init__(self, total: int, stream: TextIO, label: str, width: int = 30, enabled: bool | None = None):
         self.total, self.stream, self.label, self.width = total, stream, label, width
         self.tty = is_terminal(stream) if enabled is None else bool(enabled)
         self._drawn = False
@@ -44,8 +45,7 @@ class ProgressBar:
         filled = round(self.width * n / max(self.total, 1))
         bar = "#" * filled + "-" * (self.width - filled)
         rate = stats.env_steps / max(stats.wall_s, 1e-12)
-        text = (f"{self.label} [{bar}] {n}/{self.total} "
-                f"return {stats.mean_return:6.1f}  {rate / 1e3:7.1f}k steps/s")
+        text = f"{self.label} [{bar}] {n}/{self.total} return {stats.mean_return:6.1f}  {rate / 1e3:7.1f}k steps/s"
         self.stream.write("\r\x1b[2K" + text)
         self._drawn = True
         self.stream.flush()
@@ -90,12 +90,23 @@ def environment() -> str:
         ray_version = ray.__version__
     except ImportError:
         ray_version = "not installed"
-    return (f"python {platform.python_version()}, jax {jax.__version__}, ray {ray_version}, "
-            f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}")
+    return (
+        f"python {platform.python_version()}, jax {jax.__version__}, ray {ray_version}, "
+        f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}"
+    )
 
 
-COLUMNS = ("run", "env steps/s", "MiB moved/iter", "transport s/iter", "compute s/iter",
-           "learner s/iter", "transport share", "speedup vs stock", "final return")
+COLUMNS = (
+    "run",
+    "env steps/s",
+    "MiB moved/iter",
+    "transport s/iter",
+    "compute s/iter",
+    "learner s/iter",
+    "transport share",
+    "speedup vs stock",
+    "final return",
+)
 
 
 def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
@@ -112,17 +123,19 @@ def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
         base = stock.get(r.backend)
         speedup = f"{r.steps_per_s / base:.2f}x" if base else "n/a (use --compare)"
         tail = r.returns[-3:]
-        rows.append([
-            r.backend if r.backend == "threads" else f"{r.backend}/{r.transport}",
-            f"{r.steps_per_s:,.0f}",
-            f"{r.total('bytes_moved') / n / MiB:.1f}",
-            f"{r.total('transport_s') / n:.3f}",
-            f"{r.total('compute_s') / n:.3f}",
-            f"{r.total('learner_s') / n:.3f}",
-            f"{100 * r.total('transport_s') / max(wall, 1e-12):.0f}%",
-            speedup,
-            f"{sum(tail) / len(tail):.1f}",
-        ])
+        rows.append(
+            [
+                r.backend if r.backend == "threads" else f"{r.backend}/{r.transport}",
+                f"{r.steps_per_s:,.0f}",
+                f"{r.total('bytes_moved') / n / MiB:.1f}",
+                f"{r.total('transport_s') / n:.3f}",
+                f"{r.total('compute_s') / n:.3f}",
+                f"{r.total('learner_s') / n:.3f}",
+                f"{100 * r.total('transport_s') / max(wall, 1e-12):.0f}%",
+                speedup,
+                f"{sum(tail) / len(tail):.1f}",
+            ]
+        )
     return rows
 
 
@@ -138,8 +151,11 @@ def summary_table(runs: Sequence[RunResult]) -> str:
     steps = cfg.workers * cfg.envs * cfg.steps
     timed = len(runs[0].timed)
     env = cfg.env if getattr(cfg, "atari", False) else "CartPole"
-    frames = (f"{cfg.frame_size}x{cfg.frame_size} uint8 frames, 4 stacked"
-              if getattr(cfg, "atari", False) else f"{cfg.frame_size}x{cfg.frame_size} uint8 frames")
+    frames = (
+        f"{cfg.frame_size}x{cfg.frame_size} uint8 frames, 4 stacked"
+        if getattr(cfg, "atari", False)
+        else f"{cfg.frame_size}x{cfg.frame_size} uint8 frames"
+    )
     head = [
         f"## Rollouts: {env}, {cfg.backend} backend, {cfg.workers} workers",
         "",
@@ -168,22 +184,30 @@ def summary_table(runs: Sequence[RunResult]) -> str:
         )
         if a.params_sha256 and b.params_sha256:
             same_params = a.params_sha256 == b.params_sha256
-            text += ("\nlearner's final parameters identical across transports (SHA-256, every "
-                     f"update bit for bit): {'yes' if same_params else 'NO'}")
+            text += (
+                "\nlearner's final parameters identical across transports (SHA-256, every "
+                f"update bit for bit): {'yes' if same_params else 'NO'}"
+            )
         if cfg.backend == "queue" and not same:
-            text += (" (expected when streaming: which actor's trajectory arrives first, and "
-                     "with which parameters, varies from run to run)")
+            text += (
+                " (expected when streaming: which actor's trajectory arrives first, and "
+                "with which parameters, varies from run to run)"
+            )
     for r in runs:
         acts = [it.act_s for it in r.timed if it.act_s is not None]
         if acts:
             compute = sum(it.compute_s for it in r.timed if it.act_s is not None)
             per_step = sum(acts) / len(acts) / cfg.steps
-            text += (f"\n{table_rows([r])[0][0]}: acting (the policy's forward pass and sampling, "
-                     f"in the slowest actor) {per_step * 1e3:.2f} ms per step of {cfg.envs} "
-                     f"envs, {100 * sum(acts) / max(compute, 1e-12):.0f}% of the actors' compute")
+            text += (
+                f"\n{table_rows([r])[0][0]}: acting (the policy's forward pass and sampling, "
+                f"in the slowest actor) {per_step * 1e3:.2f} ms per step of {cfg.envs} "
+                f"envs, {100 * sum(acts) / max(compute, 1e-12):.0f}% of the actors' compute"
+            )
         lags = [it.lag for it in r.timed if it.lag is not None]
         if lags:
-            text += (f"\n{table_rows([r])[0][0]}: off-policy lag per update: "
-                     f"{sum(lags) / len(lags):.2f} parameter versions on average, at most "
-                     f"{max(lags):g}")
+            text += (
+                f"\n{table_rows([r])[0][0]}: off-policy lag per update: "
+                f"{sum(lags) / len(lags):.2f} parameter versions on average, at most "
+                f"{max(lags):g}"
+            )
     return text

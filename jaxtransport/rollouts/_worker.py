@@ -87,17 +87,13 @@ def _rollout(params, carry: Carry, key, *, frame_size: int, steps: int):
         logits = policy.apply(params, env.features(prev, seen))
         action = jax.random.categorical(k_act, logits).astype(jnp.int32)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
-        nxt, reward, done, failed, finished = jax.vmap(env.step)(
-            state, action, jax.random.split(k_reset, envs)
-        )
-        out = (cur, first, action, logp, reward * jnp.ones((envs,), jnp.float32), done, failed,
-               finished)
+        nxt, reward, done, failed, finished = jax.vmap(env.step)(state, action, jax.random.split(k_reset, envs))
+        out = (cur, first, action, logp, reward * jnp.ones((envs,), jnp.float32), done, failed, finished)
         return (nxt, seen, done), (out, state)
 
     init = (carry.state, env.read_frame(prev0, frame_size), carry.first)
-    (state, _, first), ((frames, firsts, actions, logp, rewards, dones, failed, finished),
-                        states) = (
-        jax.lax.scan(body, init, jax.random.split(key, steps))
+    (state, _, first), ((frames, firsts, actions, logp, rewards, dones, failed, finished), states) = jax.lax.scan(
+        body, init, jax.random.split(key, steps)
     )
     last = jax.tree.map(lambda s: s[-1], states)
     traj = Trajectory(
@@ -146,11 +142,8 @@ def _features(traj: Trajectory, frame_size: int) -> jax.Array:
     return env.features(prev, cur)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("frame_size", "gamma", "entropy_coef"), donate_argnums=(0, 1)
-)
-def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
-          entropy_coef: float):
+@functools.partial(jax.jit, static_argnames=("frame_size", "gamma", "entropy_coef"), donate_argnums=(0, 1))
+def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float, entropy_coef: float):
     """One REINFORCE step on the trajectories of all workers. Returns ``(params, opt, loss)``.
 
     Advantages are reward-to-go returns minus the mean at the same step, standardized (see
@@ -170,8 +163,7 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float,
     feats, acts, logps, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, logps, rets))
     adv = policy.advantages(rets)
     feats, acts, logps = feats.reshape(-1, 4), acts.reshape(-1), logps.reshape(-1)
-    return policy.update(params, opt, policy.Batch(feats, acts, adv, logps), lr, table_lr,
-                         entropy_coef)
+    return policy.update(params, opt, policy.Batch(feats, acts, adv, logps), lr, table_lr, entropy_coef)
 
 
 def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> None:
@@ -184,19 +176,40 @@ def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> N
     rollout(params, initial_carry(jax.random.key(0), envs), jax.random.key(0), frame_size, steps)
 
 
-def warm_up_learner(params, opt, carry: Carry, workers: int, lr: float, table_lr: float, *,
-                    frame_size: int, steps: int, gamma: float, entropy_coef: float) -> None:
+def warm_up_learner(
+    params,
+    opt,
+    carry: Carry,
+    workers: int,
+    lr: float,
+    table_lr: float,
+    *,
+    frame_size: int,
+    steps: int,
+    gamma: float,
+    entropy_coef: float,
+) -> None:
     """Compile :func:`learn` in this process for ``workers`` trajectories shaped like the ones
     :func:`rollout` returns from ``carry`` (zeros in, result dropped; ``params`` and ``opt``
     themselves are not donated, zero copies of them are)."""
     traj, _ = jax.eval_shape(
         functools.partial(_rollout, frame_size=frame_size, steps=steps),
-        params, carry, jax.random.key(0),
+        params,
+        carry,
+        jax.random.key(0),
     )
 
     def zeros(tree):
         return jax.tree.map(jnp.zeros_like, tree)
 
-    out = learn(zeros(params), zeros(opt), [zeros(traj) for _ in range(workers)], lr, table_lr,
-                frame_size=frame_size, gamma=gamma, entropy_coef=entropy_coef)
+    out = learn(
+        zeros(params),
+        zeros(opt),
+        [zeros(traj) for _ in range(workers)],
+        lr,
+        table_lr,
+        frame_size=frame_size,
+        gamma=gamma,
+        entropy_coef=entropy_coef,
+    )
     jax.block_until_ready(out)
