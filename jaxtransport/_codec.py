@@ -582,11 +582,12 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
 def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
     """A function that returns, at each call, what ``decode(meta, buffers, placement)`` returns:
     a new array each time (a new ``jax.Array``, or a new numpy view for "host"; read-only when
-    it is a sharded array's one assembled copy), over the same buffers on CPU. For decoding one received array many times: an array placed on the default
-    device or on the host is validated (and a sharded one assembled, read-only) once, and each
-    call costs one ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG
-    keys) decodes in full at each call. Raises what ``decode`` raises for bad metadata: here for
-    the arrays validated once, else at the call."""
+    it is a sharded array's one assembled copy), over the same buffers on CPU. For decoding one
+    received array many times: an array placed on the default device or on the host is
+    validated (and a sharded one assembled, read-only) once, and each call costs one
+    ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG keys) decodes in
+    full at each call. Raises what ``decode`` raises for bad metadata: here for the arrays
+    validated once, else at the call."""
     if (
         isinstance(meta, tuple)
         and len(meta) == len(ArrayMeta._fields)

@@ -51,9 +51,10 @@ def jax_version() -> str:
 
 
 def _unsupported(what: str, fix: str = "") -> UnsupportedArrayError:
+    fix = fix or "Use a JAX release in the range the README lists as tested, or report the version."
     return UnsupportedArrayError(
         f"jaxtransport cannot {what} on {jax_version()}: the JAX internals it relies on for this "
-        f"differ in this release. {fix or 'Use a JAX release in the range the README lists as tested, or report the version.'}"
+        f"differ in this release. {fix}"
     )
 
 

@@ -21,7 +21,7 @@ __all__ = [
     "RemoteTraceback",
     "ShmCapacityError",
     "ShmHandleError",
-    "TracerTransportError",
+    "TracerTransportError",  # noqa: F822 - defined on first use (_define_tracer_error)
     "TransportError",
     "UnsupportedArrayError",
     "WorkerLostError",

@@ -108,7 +108,7 @@ def gpu_ids() -> list[str]:
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
     try:
-        n = len([e for e in os.listdir("/proc/driver/nvidia/gpus")])
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return []
     return [str(i) for i in range(n)]

@@ -884,7 +884,7 @@ class Mapper:
             if not r:
                 return
             try:
-                data, fds, _flags, _addr_ = socket.recv_fds(self.sock, _FD_MSG.size, 4)
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, _FD_MSG.size, 4)
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:

@@ -155,7 +155,7 @@ class Producer:
                 seg = self.arena.segment(data[0])
                 free = seg is None or seg.mm is None
                 if not free:
-                    serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])
+                    _serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])
                     free = released == rec[1]
                     if not free and dead_too and rpid:
                         if rpid not in starts:
@@ -300,7 +300,7 @@ def _unbundle(fd: int, count: int) -> list[int]:
         sock.setblocking(False)
         while len(got) < count:
             try:
-                _, anc, flags, _ = sock.recvmsg(16, socket.CMSG_SPACE(MAX_FDS * 4 + 64))
+                _, anc, _flags, _ = sock.recvmsg(16, socket.CMSG_SPACE(MAX_FDS * 4 + 64))
             except BlockingIOError:
                 break
             n = len(got)

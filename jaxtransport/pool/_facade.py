@@ -4,8 +4,8 @@ What it adds to ``multiprocessing.Pool`` (see each docstring for the costs):
 
 - Functions, lambdas and closures travel with cloudpickle; ``__main__`` code keeps the stock
   pool's module semantics (one namespace per worker shared by the initializer and every task:
-  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or ``forkserver``: ``fork`` deadlocks a
-  process that has JAX initialised and is refused. Workers start with
+  Note [user code] in ``_usercode``). Workers are started with ``spawn`` (default) or
+  ``forkserver``: ``fork`` deadlocks a process that has JAX initialised and is refused. Workers start with
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's ``JAX_PLATFORMS`` and, on multi-GPU
   hosts, their own ``CUDA_VISIBLE_DEVICES``.
 - Every ``jax.Array``/``numpy.ndarray`` of at least ``shm_threshold`` bytes anywhere in the

@@ -17,6 +17,8 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import ClassVar
 
 from .. import _shm
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
@@ -236,7 +238,7 @@ class Manager:
         # if the bad message came while it waited for memory, fails: Note [started]).
         self.retire(w, f"it received a malformed message from the parent ({msg.description})")
 
-    HANDLERS = {
+    HANDLERS: ClassVar[dict[type, Callable[..., None]]] = {
         _protocol.Result: on_result,
         _protocol.Release: on_release,
         _protocol.Forget: on_forget,
