@@ -166,11 +166,6 @@ def parse_entry(e: Any) -> tuple:
     raise _bad(f"unknown entry {kind!r} with {len(fields)} fields")
 
 
-def wire_entry(rec: tuple) -> tuple:
-    """An entry record as its plain wire tuple."""
-    return (rec.KIND, *rec)
-
-
 # --------------------------------------------------------------------------------------------
 # messages
 

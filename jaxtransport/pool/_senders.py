@@ -125,9 +125,6 @@ class Sender:
             self.queue.append((pieces, fds))
             self.cond.notify()
 
-    def backlog(self) -> int:
-        return len(self.queue) + self.writing
-
     def _run(self) -> None:
         while True:
             with self.cond:

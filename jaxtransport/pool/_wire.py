@@ -1,13 +1,16 @@
 """What travels through a Pool's pipes: cloudpickle with large arrays moved to shared memory.
 
-``encode(obj, ...)`` pickles ``obj`` with cloudpickle (lambdas, closures, ``__main__`` code) and
-jaxtransport's array reducers; every ``jax.Array`` and ``numpy.ndarray`` of at least
-``threshold`` bytes, anywhere in ``obj``, is replaced by ``_entry(k)`` and listed as an
-*entry*. Only after pickling succeeded (so a Tracer or an unpicklable object fails before any
-shared memory is touched) each entry's bytes are copied once into a slot of the sender's
-:class:`~jaxtransport._shm.Arena`; an entry that already lives in memory received from the peer
-goes back as a ``"ref"`` to the peer's own slot (no copy). ``decode`` rebuilds the object; array
-entries alias the received slot (Note [slot lifetime] in ``_shm``).
+Sending is two steps. ``prepare(obj, ...)`` pickles ``obj`` with cloudpickle (lambdas, closures,
+``__main__`` code) and jaxtransport's array reducers; every ``jax.Array`` and ``numpy.ndarray``
+of at least ``threshold`` bytes, anywhere in ``obj``, is replaced by ``_entry(k)`` and listed as
+an *entry* (a :class:`Prepared`). Only after pickling succeeded (so a Tracer or an unpicklable
+object fails before any shared memory is touched) ``commit(prepared, arena=, ...)`` copies each
+entry's bytes once into a slot of the sender's :class:`~jaxtransport._shm.Arena`; an entry that
+already lives in memory received from the peer goes back as a ``"ref"`` to the peer's own slot
+(no copy). The result, an :class:`Encoded`, is what travels. Receiving: ``decode(data, entries,
+...)`` rebuilds the object once; :class:`Held` holds the slots of an object rebuilt many times
+(a SharedTree, once per task). Array entries alias the received slot (Note [slot lifetime] in
+``_shm``). ``function_blob`` is how a task's function travels.
 
 Entries travel as plain tuples ``(kind, *fields)`` and are read back as the records of
 ``_protocol`` (``NpEntry``, ``JaxEntry`` -- one slot holds all of an array's buffers --,
@@ -33,7 +36,7 @@ from .._pickling import PICKLE_PROTOCOL
 from .._shm import ALIGN, Arena, Mapper
 from . import _protocol
 
-__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "encode", "prepare"]
+__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "prepare"]
 
 
 class Encoded:
@@ -363,27 +366,6 @@ def commit(
             arena.release(h, borrower)
         raise
     return Encoded(prep.data, entries, handles, prep.trees, segs)
-
-
-def encode(
-    obj: Any,
-    *,
-    threshold: int | None,
-    arena: Arena | None,
-    borrower: Any,
-    wait=None,
-    peer=None,
-    tree_type=None,
-    locate=None,
-) -> Encoded:
-    """``commit(prepare(obj))``."""
-    return commit(
-        prepare(obj, threshold=threshold if arena is not None else None, tree_type=tree_type, locate=locate),
-        arena=arena,
-        borrower=borrower,
-        wait=wait,
-        peer=peer,
-    )
 
 
 def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
