@@ -6,7 +6,7 @@ process, and imports neither JAX nor Ray (each name below is imported on first u
 """
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # Each public name and the module that defines it, imported on first access (PEP 562): importing
 # jaxtransport imports neither JAX nor anything else heavy, so a Pool worker that runs numpy-only
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from .pool import get_reusable_executor as get_reusable_executor
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "multiprocessing":  # the subpackage, imported on first use (it registers nothing)
         return importlib.import_module(".multiprocessing", __name__)
     module = _PUBLIC.get(name)

@@ -129,7 +129,7 @@ def _encode_sharding(sharding: Any) -> tuple | None:
     memory_kind = getattr(sharding, "memory_kind", None)
     if isinstance(sharding, SingleDeviceSharding):
         (device,) = sharding.device_set
-        return ("single", device.platform, device.id, memory_kind)
+        return ("single", device.platform, device.id, memory_kind)  # type: ignore[attr-defined]
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         devices = np.asarray(mesh.devices)
@@ -214,7 +214,7 @@ def _check_x64(dtype: np.dtype, placement: str) -> None:
         return
     if dtype.kind == "c" and dtype.itemsize < 16:
         return
-    if not jax.config.jax_enable_x64:
+    if not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
         raise DtypeUnavailableError(
             f"Received a {dtype} array but this process has 64-bit types disabled, so JAX would "
             "silently truncate it. Fix: enable them before any JAX computation "

@@ -76,9 +76,9 @@ def concrete_array_types() -> tuple[type, ...]:
     from jax._src.array import ArrayImpl
 
     try:
-        from jax._src.prng import PRNGKeyArray  # type: ignore
+        from jax._src.prng import PRNGKeyArray
     except ImportError:  # pragma: no cover - other layouts
-        from jax._src.random.prng import PRNGKeyArray  # type: ignore
+        from jax._src.random.prng import PRNGKeyArray  # type: ignore[import-not-found,no-redef,unused-ignore]
     return (ArrayImpl, PRNGKeyArray)
 
 
@@ -191,15 +191,15 @@ def _make_fast_put() -> tuple[Callable[[np.ndarray, bool], Any], Callable[[np.nd
     from jax._src.interpreters import pxla
     from jax.sharding import SingleDeviceSharding
 
-    get_device = getattr(pxla, "get_default_device", None) or pxla._get_default_device
+    get_device = getattr(pxla, "get_default_device", None) or pxla._get_default_device  # type: ignore[attr-defined]
     batched_device_put = pxla.batched_device_put
     shaped_abstractify = getattr(core, "shaped_abstractify", None)
     if shaped_abstractify is None:  # jax 0.4.30: jax/_src/api_util.py
-        from jax._src.api_util import shaped_abstractify
+        from jax._src.api_util import shaped_abstractify  # type: ignore[attr-defined,no-redef]
     shardings: dict = {}
 
     def aval_of(x: np.ndarray, weak_type: bool):
-        aval = shaped_abstractify(x)
+        aval = shaped_abstractify(x)  # type: ignore[misc]
         return aval.update(weak_type=True) if weak_type else aval
 
     def put_aval(aval, x: np.ndarray):
@@ -413,7 +413,7 @@ def tracer_aval_str(aval: Any) -> str:
     aval first (jax/_src/core.py ``raise_to_shaped``, removed with ConcreteArray in 0.4.36)."""
     if type(aval).__name__ == "ConcreteArray":
         try:
-            from jax._src.core import raise_to_shaped
+            from jax._src.core import raise_to_shaped  # type: ignore[attr-defined]
 
             aval = raise_to_shaped(aval)
         except Exception:  # pragma: no cover
@@ -431,7 +431,7 @@ def tracer_trace_info(tracer: Any) -> tuple[str, str | None, str | None]:
     traced_for = src = None
     if name == "DynamicJaxprTrace":
         try:
-            dbg = trace.frame.debug_info
+            dbg = trace.frame.debug_info  # type: ignore[union-attr]
             traced_for = getattr(dbg, "traced_for", None) or "jit"
             src = getattr(dbg, "func_src_info", None)
         except Exception:

@@ -85,7 +85,7 @@ def _tracer_error_class() -> type:
                 f"{message}\nSee https://docs.jax.dev/en/latest/errors.html#jax.errors.ConcretizationTypeError",
             )
 
-        def __reduce__(self):
+        def __reduce__(self) -> tuple:
             return (_rebuild_tracer_error, (self.description, self.path, self.where))
 
     TracerTransportError.__module__ = __name__
@@ -93,21 +93,21 @@ def _tracer_error_class() -> type:
     return TracerTransportError
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     # PEP 562: ``TracerTransportError`` subclasses a JAX class, so it is defined on first access.
     if name == "TracerTransportError":
         return _define_tracer_error()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _rebuild_tracer_error(description, path, where):
+def _rebuild_tracer_error(description: str, path: str | None, where: str | None) -> BaseException:
     return _define_tracer_error()(description, path, where=where)
 
 
 class TransportError(RuntimeError):
     """Base class for jaxtransport's runtime errors (not for tracers, see above)."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (type(self), self.args)
 
 
@@ -150,7 +150,7 @@ def _broken_process_pool() -> type:
     return BrokenProcessPool
 
 
-class WorkerLostError(TransportError, _broken_process_pool()):
+class WorkerLostError(TransportError, _broken_process_pool()):  # type: ignore[misc]
     """A pool worker died (SIGKILL, the OOM killer, ``os._exit``, a segfault) while it ran a task.
 
     Raised by the pending call instead of hanging (what ``multiprocessing.Pool`` does,
@@ -161,7 +161,7 @@ class WorkerLostError(TransportError, _broken_process_pool()):
     """
 
 
-class BrokenExecutorError(TransportError, _broken_process_pool()):
+class BrokenExecutorError(TransportError, _broken_process_pool()):  # type: ignore[misc]
     """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
     initializer failed): no call can run. A ``concurrent.futures.process.BrokenProcessPool``,
     as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause."""
@@ -207,12 +207,12 @@ class LockOrderError(RuntimeError):
 
 
 def _mp_remote_traceback() -> type:
-    from multiprocessing.pool import RemoteTraceback as _Base
+    from multiprocessing.pool import RemoteTraceback as _Base  # type: ignore[attr-defined]
 
     return _Base
 
 
-class RemoteTraceback(_mp_remote_traceback()):
+class RemoteTraceback(_mp_remote_traceback()):  # type: ignore[misc]
     """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised errors.
     A subclass of ``multiprocessing.pool.RemoteTraceback``, so handlers written for the stock
     pool catch it."""
@@ -224,5 +224,5 @@ class RemoteTraceback(_mp_remote_traceback()):
     def __str__(self) -> str:
         return self.tb
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (RemoteTraceback, (self.tb,))

@@ -20,7 +20,7 @@ import io
 import pickle
 import pickletools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import cloudpickle
 import numpy as np
@@ -39,7 +39,7 @@ PICKLE_PROTOCOL = 5
 _JAX_KINDS = None  # (concrete jax.Array types, Tracer base class), once JAX is imported
 
 
-def _jax_kinds():
+def _jax_kinds() -> tuple | None:
     """(array types, Tracer) when JAX is imported in this process, else None."""
     global _JAX_KINDS
     if _JAX_KINDS is None and jax_loaded():
@@ -54,7 +54,7 @@ class _NoSuchError(Exception):
     """Never raised: what ``except tracer_error_type()`` catches while JAX is not imported."""
 
 
-def tracer_error_type() -> type:
+def tracer_error_type() -> type[Any]:
     """``TracerTransportError``, without importing JAX to name it where none can be raised."""
     return _errors.TracerTransportError if jax_loaded() else _NoSuchError
 
@@ -93,9 +93,9 @@ class _Raw:
     def __init__(self, array: np.ndarray):
         self.array = array
 
-    def __reduce_ex__(self, protocol):
-        if protocol >= 5:
-            return _buffer, (pickle.PickleBuffer(self.array),)
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        if int(protocol) >= 5:
+            return _buffer, (pickle.PickleBuffer(self.array),)  # type: ignore[arg-type]
         return _buffer, (self.array.tobytes(),)
 
 
@@ -107,7 +107,7 @@ def _raw(buf: np.ndarray) -> _Raw:
     return _Raw(buf.reshape(-1).view(np.uint8))
 
 
-def _reduce_array(x: Any):
+def _reduce_array(x: Any) -> tuple:
     """copyreg reducer for ArrayImpl and PRNGKeyArray: out-of-band capable, sharding-aware."""
     from . import _codec
 
@@ -118,10 +118,10 @@ def _reduce_array(x: Any):
 def _rebuild_array(meta: tuple, *raw: Any) -> Any:
     from . import _codec
 
-    return _codec.decode(meta, raw, current_placement())
+    return _codec.decode(meta, raw, current_placement())  # type: ignore[arg-type]
 
 
-def _reduce_tracer(t: Any):
+def _reduce_tracer(t: Any) -> tuple:
     from ._tracers import tracer_error
 
     raise tracer_error(t, where="while pickling")
@@ -180,7 +180,7 @@ class _Pickler(cloudpickle.Pickler):
 
     _array_types = None
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: Any) -> Any:
         kinds = _JAX_KINDS or _jax_kinds()
         if kinds is not None:
             if type(obj) in kinds[0]:

@@ -147,7 +147,7 @@ def default_capacity(share: float = 1.0) -> int:
     return max(int(free_memory() // 2 * share), MIN_CAPACITY)
 
 
-def _fmt(n: int) -> str:
+def _fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -200,7 +200,7 @@ def populate_method() -> str:
     return "madvise" if _populate_write_ok else "fallocate"
 
 
-def _capacity_failure(size: int, why: str) -> ShmCapacityError:
+def _capacity_failure(size: int, why: str | None) -> ShmCapacityError:
     free = free_memory()
     return ShmCapacityError(
         f"jaxtransport.Pool could not reserve {_fmt(size)} ({size} bytes) of shared "
@@ -631,7 +631,7 @@ class Arena:
                 if free:
                     key = free.pop()
                     break
-                key = self._larger_free(cls)
+                key = self._larger_free(cls)  # type: ignore[assignment]
                 if key is not None:
                     break
                 if self._pending_for(cls):
@@ -737,7 +737,7 @@ class Arena:
                 if c:
                     n += c
                     if not slot.refs:
-                        self._free_slot((key[0], key[1], 0, slot.gen), slot)
+                        self._free_slot(Handle(key[0], key[1], 0, slot.gen), slot)
         return n
 
     def acquire(self, handle: Handle, borrower: Hashable) -> bool:
@@ -946,7 +946,7 @@ class Mapper:
 
     def mapping(self, seg_id: int) -> mmap.mmap:
         """The mapping of segment ``seg_id`` (mapped now if it is not yet). Raises ShmHandleError."""
-        return self._segment(seg_id).mm
+        return self._segment(seg_id).mm  # type: ignore[return-value]  # mapped by _segment
 
     def holder(self, handle: Handle, release: Any = None):
         """A fresh ctypes array over the slot ``handle`` names. See Note [slot lifetime].
@@ -967,7 +967,7 @@ class Mapper:
                 f"segment {seg_id} of {self.label} ({m.size} bytes) or misaligned: the handle is "
                 "truncated or corrupt. Only this task fails."
             )
-        h = (ctypes.c_char * max(nbytes, 1)).from_buffer(m.mm, offset)
+        h = (ctypes.c_char * max(nbytes, 1)).from_buffer(m.mm, offset)  # type: ignore[arg-type]
         addr = m.addr + offset
         self.live[addr] = (seg_id, offset, nbytes, gen)
         weakref.finalize(h, _on_holder_dead, self.pending, self.live, addr, handle if release is None else release)

@@ -12,6 +12,7 @@ Cost: one pass over the tree's containers; arrays are not read.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -76,7 +77,7 @@ def describe_tracer(tracer: Any) -> str:
     return f"{type(tracer).__name__} {shape}{weak} traced by {_transformation(tracer)}"
 
 
-def tracer_error(tracer: Any, path: str | None = None, where: str | None = None) -> TracerTransportError:
+def tracer_error(tracer: Any, path: str | None = None, where: str | None = None) -> Exception:
     return TracerTransportError(describe_tracer(tracer), path, where=where)
 
 
@@ -87,7 +88,7 @@ _ATOMIC = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndar
 _OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
-def _walk_object(obj: Any, path: str, seen: set[int]):
+def _walk_object(obj: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
     """Walk what JAX's pytree flattening leaves opaque; yields (path, tracer)."""
     if isinstance(obj, Tracer):
         yield path, obj
@@ -128,7 +129,7 @@ def _walk_object(obj: Any, path: str, seen: set[int]):
             yield from _walk_pytree(v, f"{path}.{slot}", seen)
 
 
-def _walk_pytree(tree: Any, root: str, seen: set[int]):
+def _walk_pytree(tree: Any, root: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
     if isinstance(tree, Tracer):
         yield root, tree
         return

@@ -105,13 +105,13 @@ def _bound_names(stmts: list[ast.stmt], out: set[str]) -> None:
                     _targets(item.optional_vars, out)
             _bound_names(s.body, out)
         elif isinstance(s, ast.Try) or type(s).__name__ == "TryStar":
-            _bound_names(s.body, out)
-            for h in s.handlers:
+            _bound_names(s.body, out)  # type: ignore[attr-defined]
+            for h in s.handlers:  # type: ignore[attr-defined]
                 if h.name:
                     out.add(h.name)
                 _bound_names(h.body, out)
-            _bound_names(s.orelse, out)
-            _bound_names(s.finalbody, out)
+            _bound_names(s.orelse, out)  # type: ignore[attr-defined]
+            _bound_names(s.finalbody, out)  # type: ignore[attr-defined]
 
 
 _names_lock = threading.Lock()
@@ -239,7 +239,7 @@ def _identity_token(obj: Any) -> Any:
         if entry is not None and entry[0]() is obj:
             return entry[1]
         try:
-            ref = weakref.ref(obj, lambda r, key=key: _forget_token(key, r))
+            ref = weakref.ref(obj, lambda r, key=key: _forget_token(key, r))  # type: ignore[misc]
         except TypeError:
             return ("id", _sender_id(), key)
         token = (_sender_id(), next(_token_counter))

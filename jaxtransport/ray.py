@@ -68,7 +68,8 @@ import threading
 import warnings
 import weakref
 from collections import ChainMap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from types import FrameType
 from typing import Any
 
 try:
@@ -268,7 +269,8 @@ def _inside_ray_deserializer(frame: Any) -> bool:
 def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, from the caller of this function, of the first frame
     outside Ray and jaxtransport (the user's ``ray.get``)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("ray", "jaxtransport"):
         frame, level = frame.f_back, level + 1
     return level
@@ -327,7 +329,7 @@ def _our_error(exc: BaseException | None, value: Any) -> BaseException | None:
 
 
 def _wrap_inspect(original: Callable) -> Callable:
-    def inspect_serializability(base_obj, *args, **kwargs):
+    def inspect_serializability(base_obj: Any, *args: Any, **kwargs: Any) -> Any:
         err = _our_error(sys.exc_info()[1], base_obj)
         if err is not None:
             raise err from None
@@ -348,14 +350,14 @@ def _patch_inspect() -> None:
 def _unpatch_inspect() -> None:
     current = ray.util.inspect_serializability
     if getattr(current, "_jaxtransport", False):
-        ray.util.inspect_serializability = current.__wrapped__
+        ray.util.inspect_serializability = current.__wrapped__  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------
 # registration
 
 
-def _ray_dispatch() -> dict:
+def _ray_dispatch() -> MutableMapping:
     """The dict ``ray.util.register_serializer`` writes into (Ray's cloudpickle reducers)."""
     dispatch = ray.cloudpickle.CloudPickler.dispatch
     return dispatch.maps[0] if isinstance(dispatch, ChainMap) else dispatch
@@ -398,7 +400,7 @@ def register(placement: str = "device") -> None:
     with _registration.lock:
         _placement = placement
         entries = [(t, _serialize) for t in _codec.concrete_array_types()]
-        entries += [(t, _refuse_tracer) for t in tracer_types()]
+        entries += [(t, _refuse_tracer) for t in tracer_types()]  # type: ignore[misc]
         _registration.install(entries)
         _patch_inspect()
         _watch_default_serialization(True)
@@ -445,7 +447,7 @@ def _chain(user_hook: Callable[[], Any]) -> Callable[[], Any]:
     """A hook that registers jaxtransport and then calls ``user_hook`` (a callable). Ray
     pickles it with cloudpickle and runs it in every worker."""
 
-    def jaxtransport_setup_hook():
+    def jaxtransport_setup_hook() -> None:
         _setup_worker()
         return user_hook()
 

@@ -46,7 +46,8 @@ Importing this module registers nothing: ``multiprocessing`` and ``pickle`` are 
 from __future__ import annotations
 
 import multiprocessing as _std
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ._connection import Connection as Connection
 from ._connection import Pipe as _Pipe
@@ -60,6 +61,11 @@ from ._queues import JoinableQueue as _JoinableQueue
 from ._queues import Queue as _Queue
 from ._queues import SimpleQueue as _SimpleQueue
 from ._sharing import set_shm_capacity as set_shm_capacity
+
+if TYPE_CHECKING:
+    from multiprocessing.managers import SyncManager
+
+    from ..pool import Pool as _JtPool
 
 __all__ = [
     "Connection",
@@ -79,31 +85,37 @@ __all__ = [
 ]
 
 
-def Queue(maxsize: int = 0, **kw) -> _Queue:
+def Queue(maxsize: int = 0, **kw: Any) -> _Queue:
     """A :class:`jaxtransport.multiprocessing._queues.Queue` (see its docstring) on the default
     context. Keywords: ``shm_threshold`` (bytes, default 1 MiB), ``placement``."""
     return get_context().Queue(maxsize, **kw)
 
 
-def JoinableQueue(maxsize: int = 0, **kw) -> _JoinableQueue:
+def JoinableQueue(maxsize: int = 0, **kw: Any) -> _JoinableQueue:
     return get_context().JoinableQueue(maxsize, **kw)
 
 
-def SimpleQueue(**kw) -> _SimpleQueue:
+def SimpleQueue(**kw: Any) -> _SimpleQueue:
     return get_context().SimpleQueue(**kw)
 
 
-def Pipe(duplex: bool = True, **kw):
+def Pipe(duplex: bool = True, **kw: Any) -> tuple[Connection, Connection]:
     """``(conn1, conn2)``, as ``multiprocessing.Pipe``; see :class:`Connection`."""
     return _Pipe(duplex, **kw)
 
 
-def Pool(processes: int | None = None, initializer=None, initargs=(), maxtasksperchild=None, **kw):
+def Pool(
+    processes: int | None = None,
+    initializer: Callable[..., Any] | None = None,
+    initargs: Iterable[Any] = (),
+    maxtasksperchild: int | None = None,
+    **kw: Any,
+) -> _JtPool:
     """``jaxtransport.Pool`` started with the default start method."""
     return get_context().Pool(processes, initializer, initargs, maxtasksperchild, **kw)
 
 
-def Manager():
+def Manager() -> SyncManager:
     """The standard library's ``SyncManager``, started with the default start method."""
     return get_context().Manager()
 

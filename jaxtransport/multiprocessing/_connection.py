@@ -47,11 +47,11 @@ class Connection:
         self._readable, self._writable = readable, writable
         self._threshold, self._placement = shm_threshold, placement
 
-    def __reduce__(self):
-        self._check_closed()
+    def __reduce__(self) -> tuple:
+        sock = self._check_closed()
         return (
             _rebuild_connection,
-            (_reduction.DupFd(self._sock.fileno()), self._readable, self._writable, self._threshold, self._placement),
+            (_reduction.DupFd(sock.fileno()), self._readable, self._writable, self._threshold, self._placement),
         )
 
     @property
@@ -66,13 +66,13 @@ class Connection:
     def writable(self) -> bool:
         return self._writable
 
-    def _check_closed(self) -> None:
+    def _check_closed(self) -> socket.socket:
         if self._sock is None:
             raise OSError("handle is closed")
+        return self._sock
 
     def fileno(self) -> int:
-        self._check_closed()
-        return self._sock.fileno()
+        return self._check_closed().fileno()
 
     def close(self) -> None:
         if self._sock is not None:
@@ -84,10 +84,10 @@ class Connection:
     def __enter__(self) -> Connection:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         sock = getattr(self, "_sock", None)
         if sock is not None:
             sock.close()
@@ -101,7 +101,7 @@ class Connection:
         out = _sharing.commit(_sharing.prepare(obj, self._threshold, "obj"))
         self._send(out)
 
-    def send_bytes(self, buf, offset: int = 0, size: int | None = None) -> None:
+    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send a bytes-like object's bytes (read back with ``recv_bytes``)."""
         self._check_closed()
         if not self._writable:
@@ -115,22 +115,22 @@ class Connection:
             raise ValueError("size is out of range" if size >= 0 else "size is negative")
         self._send(_sharing.commit(_sharing.prepare(_Bytes(bytes(m[offset : offset + size])), 1 << 62, "buf")))
 
-    def _send(self, out) -> None:
+    def _send(self, out: Any) -> None:
         try:
-            _sharing.send_packet(self._sock, out)
+            _sharing.send_packet(self._sock, out)  # type: ignore[arg-type]
         except BaseException:
             out.discard()
             raise
 
     # -- receiving
-    def _recv(self, raw: bool = False):
-        self._check_closed()
+    def _recv(self, raw: bool = False) -> Any:
+        sock = self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
         while True:
-            _wait_readable(self._sock, None)
+            _wait_readable(sock, None)
             try:
-                packet, fds = _sharing.recv_packet(self._sock, nowait=True)
+                packet, fds = _sharing.recv_packet(sock, nowait=True)
             except BlockingIOError:
                 continue
             return _sharing.decode(packet, fds, self._placement, raw=raw)
@@ -155,7 +155,7 @@ class Connection:
             raise OSError("bad message length")
         return data
 
-    def recv_bytes_into(self, buf, offset: int = 0) -> int:
+    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
         data = self.recv_bytes()
         m = memoryview(buf).cast("B")
         if offset < 0 or offset > len(m):
@@ -169,13 +169,13 @@ class Connection:
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message is waiting (waits up to ``timeout`` seconds; None: forever)."""
-        self._check_closed()
+        sock = self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
-        return _wait_readable(self._sock, None if timeout is None else time.monotonic() + max(timeout, 0))
+        return _wait_readable(sock, None if timeout is None else time.monotonic() + max(timeout, 0))
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"fd={self._sock.fileno()}"
+        state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
         return f"<jaxtransport.multiprocessing.Connection {state}>"
 
 
@@ -210,17 +210,19 @@ class _Bytes:
     def __init__(self, data: bytes):
         self.data = data
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (_Bytes, (self.data,))
 
 
-def _rebuild_connection(df, readable, writable, threshold, placement) -> Connection:
+def _rebuild_connection(df: Any, readable: bool, writable: bool, threshold: int, placement: str) -> Connection:
     return Connection(
         socket.socket(fileno=df.detach()), readable, writable, shm_threshold=threshold, placement=placement
     )
 
 
-def Pipe(duplex: bool = True, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
+def Pipe(
+    duplex: bool = True, *, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
+) -> tuple[Connection, Connection]:
     """``(conn1, conn2)`` as ``multiprocessing.Pipe``: both ends send and receive when ``duplex``,
     else ``conn1`` only receives and ``conn2`` only sends. Arrays as in :class:`Queue`."""
     _check_options(shm_threshold, placement)

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.process
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .._procenv import fork_refused
+
+if TYPE_CHECKING:
+    from multiprocessing.managers import SyncManager
+
+    from .. import pool as _pool
+    from . import _connection, _queues
 
 __all__ = ["Process", "get_all_start_methods", "get_context", "get_start_method", "set_start_method"]
 
@@ -46,40 +53,47 @@ class JaxContext:
 
     @property
     def Process(self) -> type:
-        return self._ctx.Process
+        return self._ctx.Process  # type: ignore[attr-defined]
 
-    def Queue(self, maxsize: int = 0, **kw):
+    def Queue(self, maxsize: int = 0, **kw: Any) -> _queues.Queue:
         from ._queues import Queue
 
         return Queue(maxsize, ctx=self._ctx, **kw)
 
-    def JoinableQueue(self, maxsize: int = 0, **kw):
+    def JoinableQueue(self, maxsize: int = 0, **kw: Any) -> _queues.JoinableQueue:
         from ._queues import JoinableQueue
 
         return JoinableQueue(maxsize, ctx=self._ctx, **kw)
 
-    def SimpleQueue(self, **kw):
+    def SimpleQueue(self, **kw: Any) -> _queues.SimpleQueue:
         from ._queues import SimpleQueue
 
         return SimpleQueue(ctx=self._ctx, **kw)
 
-    def Pipe(self, duplex: bool = True, **kw):
+    def Pipe(self, duplex: bool = True, **kw: Any) -> tuple[_connection.Connection, _connection.Connection]:
         from ._connection import Pipe
 
         return Pipe(duplex, **kw)
 
-    def Pool(self, processes: int | None = None, initializer=None, initargs=(), maxtasksperchild=None, **kw):
+    def Pool(
+        self,
+        processes: int | None = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: Iterable[Any] = (),
+        maxtasksperchild: int | None = None,
+        **kw: Any,
+    ) -> _pool.Pool:
         """``jaxtransport.Pool`` with this context's start method (its other options as keywords)."""
         from ..pool import Pool
 
         return Pool(processes, initializer, initargs, maxtasksperchild, start_method=self._name, **kw)
 
-    def Manager(self):
+    def Manager(self) -> SyncManager:
         """The standard ``SyncManager`` started with this start method (its proxies pickle values
         with the standard pickler: no shared memory)."""
         return self._ctx.Manager()
 
-    def set_start_method(self, method, force: bool = False) -> None:
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
         raise RuntimeError("a context's start method is fixed; use jaxtransport.multiprocessing.set_start_method")
 
     def __getattr__(self, name: str) -> Any:
@@ -107,7 +121,7 @@ def get_context(method: str | None = None) -> JaxContext:
 
 
 class _Default:
-    def __init__(self):
+    def __init__(self) -> None:
         self.method = "spawn"
 
     def get_context(self) -> JaxContext:
@@ -139,9 +153,9 @@ class Process(multiprocessing.process.BaseProcess):
     _start_method = None
 
     @staticmethod
-    def _Popen(process_obj):
-        return _default.get_context().Process._Popen(process_obj)
+    def _Popen(process_obj: Any) -> Any:
+        return _default.get_context().Process._Popen(process_obj)  # type: ignore[attr-defined]
 
     @staticmethod
-    def _after_fork():
-        return _default.get_context().Process._after_fork()
+    def _after_fork() -> Any:
+        return _default.get_context().Process._after_fork()  # type: ignore[attr-defined]

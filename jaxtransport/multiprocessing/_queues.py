@@ -36,7 +36,7 @@ from . import _sharing
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 
-def _check_options(shm_threshold, placement) -> None:
+def _check_options(shm_threshold: Any, placement: Any) -> None:
     if not isinstance(shm_threshold, int) or isinstance(shm_threshold, bool) or shm_threshold < 0:
         raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
     _nojax.check_placement(placement)
@@ -52,11 +52,11 @@ def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:
         return bool(r)
 
 
-def _get(reader: socket.socket, block: bool, timeout: float | None, placement: str):
+def _get(reader: socket.socket, block: bool, timeout: float | None, placement: str) -> Any:
     """Take one message (waiting as block/timeout say) and rebuild it; ``queue.Empty`` if none."""
     if timeout is not None and timeout < 0:
         raise ValueError("'timeout' must be a non-negative number")
-    deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block else 0.0)
+    deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block and timeout else 0.0)
     while True:
         if not _wait_readable(reader, deadline):
             raise _queue.Empty
@@ -74,7 +74,7 @@ def _new_socketpair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def _sock_from(df) -> socket.socket:
+def _sock_from(df: Any) -> socket.socket:
     return socket.socket(fileno=df.detach())
 
 
@@ -95,9 +95,14 @@ class Queue:
     """
 
     def __init__(
-        self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
-    ):
-        from multiprocessing.synchronize import SEM_VALUE_MAX
+        self,
+        maxsize: int = 0,
+        *,
+        ctx: Any = None,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        placement: str = "device",
+    ) -> None:
+        from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]
 
         _check_options(shm_threshold, placement)
         if ctx is None:
@@ -115,7 +120,7 @@ class Queue:
         self._reset()
 
     # -- pickling (only while spawning a process, as multiprocessing's queues)
-    def __getstate__(self):
+    def __getstate__(self) -> tuple:
         _mpcontext.assert_spawning(self)
         return (
             self._maxsize,
@@ -127,23 +132,23 @@ class Queue:
             self._opid,
         )
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple) -> None:
         (self._maxsize, self._threshold, self._placement, w, r, self._sem, self._opid) = state
         self._writer, self._reader = _sock_from(w), _sock_from(r)
         self._reset()
 
-    def _reset(self):
+    def _reset(self) -> None:
         self._notempty = threading.Condition(threading.Lock())
         self._buffer: collections.deque = collections.deque()
         self._busy = [False]  # the feeder is sending (outside the lock)
         self._thread: threading.Thread | None = None
-        self._jointhread = None
+        self._jointhread: Any = None
         self._joincancelled = False
         self._closed = False
-        self._close = None
+        self._close: Any = None
 
     # -- putting
-    def _encode(self, obj, block: bool, timeout: float | None):
+    def _encode(self, obj: Any, block: bool, timeout: float | None) -> Any:
         prep = _sharing.prepare(obj, self._threshold, "obj")  # tracers and pickling errors here
         if not self._sem.acquire(block, timeout):
             raise _queue.Full
@@ -164,7 +169,7 @@ class Queue:
         with self._notempty:
             self._enqueue(out)
 
-    def _enqueue(self, out) -> None:
+    def _enqueue(self, out: Any) -> None:
         # Called with self._notempty held. When nothing is buffered or being sent, write the
         # packet from this thread if the socket takes it at once (no feeder hop, so no
         # thread switch on the way); order is kept because the feeder is idle.
@@ -252,19 +257,19 @@ class Queue:
         self._close = _util.Finalize(self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
-    def _finalize_join(twr) -> None:
+    def _finalize_join(twr: Any) -> None:
         thread = twr()
         if thread is not None:
             thread.join()
 
     @staticmethod
-    def _finalize_close(buffer, notempty) -> None:
+    def _finalize_close(buffer: Any, notempty: Any) -> None:
         with notempty:
             buffer.append(_SENTINEL)
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer, notempty, writer, busy) -> None:
+    def _feed(buffer: Any, notempty: Any, writer: Any, busy: Any) -> None:
         out = None
         while True:
             with notempty:
@@ -295,8 +300,13 @@ class JoinableQueue(Queue):
     """``multiprocessing.JoinableQueue`` over :class:`Queue` (``task_done``/``join``)."""
 
     def __init__(
-        self, maxsize: int = 0, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
-    ):
+        self,
+        maxsize: int = 0,
+        *,
+        ctx: Any = None,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        placement: str = "device",
+    ) -> None:
         if ctx is None:
             from ._context import _default
 
@@ -305,10 +315,10 @@ class JoinableQueue(Queue):
         self._unfinished_tasks = ctx.Semaphore(0)
         self._cond = ctx.Condition()
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple:
         return Queue.__getstate__(self) + (self._cond, self._unfinished_tasks)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple) -> None:
         Queue.__setstate__(self, state[:-2])
         self._cond, self._unfinished_tasks = state[-2:]
 
@@ -337,14 +347,16 @@ class SimpleQueue:
     """``multiprocessing.SimpleQueue``: ``put`` sends from the caller (no feeder thread; it
     blocks while the socket buffer is full), ``get`` blocks. Arrays as in :class:`Queue`."""
 
-    def __init__(self, *, ctx=None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"):
+    def __init__(
+        self, *, ctx: Any = None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
+    ) -> None:
         _check_options(shm_threshold, placement)
         self._threshold = shm_threshold
         self._placement = placement
         self._writer, self._reader = _new_socketpair()
         self._closed = False
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple:
         _mpcontext.assert_spawning(self)
         return (
             self._threshold,
@@ -353,7 +365,7 @@ class SimpleQueue:
             _reduction.DupFd(self._reader.fileno()),
         )
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple) -> None:
         self._threshold, self._placement, w, r = state
         self._writer, self._reader = _sock_from(w), _sock_from(r)
         self._closed = False

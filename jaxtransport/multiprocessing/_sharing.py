@@ -155,7 +155,7 @@ class Producer:
                 seg = self.arena.segment(data[0])
                 free = seg is None or seg.mm is None
                 if not free:
-                    _serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])
+                    _serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])  # type: ignore[union-attr]
                     free = released == rec[1]
                     if not free and dead_too and rpid:
                         if rpid not in starts:
@@ -336,7 +336,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
     if _consumer is not None and _consumer.pid == p.pid:
         _consumer.apply_releases()  # what this process received and dropped, before allocating
     try:
-        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout))
+        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout))  # type: ignore[arg-type]
     except ShmCapacityError as e:
         raise _capacity_error(p, e) from None
     handles = list(enc.handles)

@@ -80,7 +80,7 @@ Files:
 - ``_manager``   -- the manager loop and one handler per message kind
 - ``_protocol``  -- every message and entry as a named record, and their validation
 - ``_trees``     -- ``SharedTree`` and the lifetime of shared trees
-- ``_wire``      -- pickles with large arrays moved to shared memory (encode/decode)
+- ``_wire``      -- pickles with large arrays moved to shared memory (prepare/commit, decode)
 - ``_worker``    -- the worker process's loop
 - ``_claim``     -- a worker's shared cells and the process-shared lock over them
 - ``_results``   -- ``AsyncResult``/``MapResult``/``IMapIterator`` and the callback thread
@@ -88,7 +88,7 @@ Files:
 """
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # Imported on first access (PEP 562): a worker process imports ``jaxtransport.pool._worker``
 # without the parent's machinery (and without JAX).
@@ -114,7 +114,7 @@ if TYPE_CHECKING:
     from ._trees import SharedTree as SharedTree
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -362,7 +362,7 @@ class Engine:
         self.arena.release_all(chunk.key)
         self.finish_chunk(chunk, False, exc)
 
-    def own_holder(self, handle: tuple):
+    def own_holder(self, handle: Handle):
         """A holder over this process's own slot (a worker sent back one of our arrays)."""
         seg = self.arena.segment(handle[0])
         off, nbytes = handle[1], handle[2]

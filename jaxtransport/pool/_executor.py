@@ -88,7 +88,7 @@ def _run_chunk(fn: Callable, chunk: list) -> list:
 class _Call:
     __slots__ = ("args", "fn", "future", "kwargs")
 
-    def __init__(self, future, fn, args, kwargs):
+    def __init__(self, future: concurrent.futures.Future, fn: Callable, args: tuple, kwargs: dict) -> None:
         self.future, self.fn, self.args, self.kwargs = future, fn, args, kwargs
 
 
@@ -199,7 +199,7 @@ class Executor(concurrent.futures.Executor):
             if chunk:
                 futures.append(self.submit(_run_chunk, fn, chunk))
 
-        def results():
+        def results() -> Iterator[Any]:
             # Holds no reference to what it yielded (as concurrent.futures): each future is
             # popped and dropped before its value is yielded, a chunk's list popped item by
             # item, so a large result's shared memory goes back once the caller drops it.
@@ -273,11 +273,11 @@ class Executor(concurrent.futures.Executor):
     def _send(self, call: _Call) -> None:
         fut = call.future
 
-        def done(value):
+        def done(value: Any) -> None:
             fut.set_result(value)
             self._finished()
 
-        def failed(exc):
+        def failed(exc: BaseException) -> None:
             if isinstance(exc, PoolStateError):  # the pool broke under this call
                 self._mark_broken(exc)
                 broken = BrokenExecutorError(f"This jaxtransport.Executor is broken: {exc}")
@@ -286,7 +286,7 @@ class Executor(concurrent.futures.Executor):
             fut.set_exception(exc)
             self._finished()
 
-        def fast(ok, value) -> bool:
+        def fast(ok: bool, value: Any) -> bool:
             # On the pool's manager thread: complete a future that has no done-callbacks here
             # (setting it wakes its waiters, runs no user code); else the callback thread does.
             # Holding the future's (reentrant) condition, no callback can be added in between.
@@ -345,7 +345,7 @@ class Executor(concurrent.futures.Executor):
         state = "broken" if self._broken else ("shut down" if self._shutdown else "running")
         return f"<jaxtransport.Executor {state} max_workers={self._pool._processes}>"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         raise TypeError("a jaxtransport.Executor cannot be pickled or sent to another process")
 
 

@@ -29,7 +29,7 @@ import multiprocessing
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import _nojax, _procenv, _shm, _usercode
@@ -199,7 +199,7 @@ class Pool:
         self._submit_apply(func, args, kwds, result)
         return result
 
-    def _submit_apply(self, func: Callable, args, kwds, result: AsyncResult) -> None:
+    def _submit_apply(self, func: Callable, args: Iterable[Any], kwds: dict | None, result: AsyncResult) -> None:
         """Send one call completing ``result`` (``apply_async``; the Executor passes results
         of its own)."""
         state = self._state
@@ -207,21 +207,29 @@ class Pool:
         kwds = {} if kwds is None else kwds
         args = tuple(args)
 
-        def locate():
+        def locate() -> str | None:
             return _first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
 
-    def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None):
+    def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None) -> Any:
         """``apply_async(...).get()``."""
         return self.apply_async(func, args, kwds).get()
 
-    def _map_async(self, func, iterable, chunksize, mode, callback, error_callback) -> MapResult:
+    def _map_async(
+        self,
+        func: Callable,
+        iterable: Iterable[Any],
+        chunksize: int | None,
+        mode: str,
+        callback: Callable | None,
+        error_callback: Callable | None,
+    ) -> MapResult:
         state = self._state
         state.check_running()
         # Sliced below (each slice a copy); other iterables are read once, here.
-        items = iterable if type(iterable) in (list, tuple, range) else list(iterable)
+        items: Any = iterable if type(iterable) in (list, tuple, range) else list(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:
@@ -281,7 +289,7 @@ class Pool:
     def starmap(self, func: Callable, iterable: Iterable, chunksize: int | None = None) -> list:
         return self._map_async(func, iterable, chunksize, "star", None, None).get()
 
-    def _imap(self, func, iterable, chunksize, ordered) -> IMapIterator:
+    def _imap(self, func: Callable, iterable: Iterable[Any], chunksize: int, ordered: bool) -> IMapIterator:
         state = self._state
         state.check_running()
         if not isinstance(chunksize, int) or chunksize < 1:
@@ -354,7 +362,7 @@ class Pool:
         self._state.check_running()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.terminate()
 
     def __repr__(self) -> str:
@@ -362,13 +370,13 @@ class Pool:
         status = s.flags.describe()
         return f"<jaxtransport.Pool state={status} processes={self._processes} start_method={s.start_method!r}>"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         raise NotImplementedError(
             "pool objects cannot be passed between processes or pickled (as multiprocessing.Pool)"
         )
 
 
-def _reserve_sizes(shm_reserve) -> tuple[int, int]:
+def _reserve_sizes(shm_reserve: Any) -> tuple[int, int]:
     """``Pool(shm_reserve=...)`` as (argument bytes, result bytes per worker)."""
     if shm_reserve is None:
         return 0, 0
@@ -381,7 +389,7 @@ def _reserve_sizes(shm_reserve) -> tuple[int, int]:
     return pair
 
 
-def _prepare_lazily(state: Engine, func, source, chunksize: int):
+def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunksize: int) -> Iterator[Any]:
     index = 0
     while True:
         part = list(itertools.islice(source, chunksize))
@@ -391,7 +399,7 @@ def _prepare_lazily(state: Engine, func, source, chunksize: int):
         index += 1
 
 
-def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
+def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     """Submit imap's chunks while fewer than ``2 * processes + 2`` are in flight or finished
     and not yet consumed (backpressure on both the workers and the results)."""
     index = 0
@@ -417,7 +425,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps) -> None:
     it._set_length(index)
 
 
-def _first_tracer(*pairs) -> str | None:
+def _first_tracer(*pairs: tuple[Any, str]) -> str | None:
     for obj, root in pairs:
         found = find_tracer(obj, root)
         if found is not None:
@@ -441,8 +449,8 @@ def _first_tracer(*pairs) -> str | None:
     return None
 
 
-def _locator(func, part, start):
-    def locate():
+def _locator(func: Callable, part: Any, start: int) -> Callable[[], str | None]:
+    def locate() -> str | None:
         for j, item in enumerate(part):
             found = find_tracer(item, f"iterable[{start + j}]")
             if found is not None:

@@ -83,7 +83,7 @@ class Manager:
                     return
                 if engine.flags.broken is not None and not workers:
                     return
-            wanted = {engine.wake_r: ("wake", None)}
+            wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
             for w in workers:
                 wanted[w.sock.fileno()] = ("conn", w)
                 wanted[w.sentinel] = ("sentinel", w)

@@ -75,7 +75,7 @@ def _int(v: Any, what: str) -> int:
     return v
 
 
-def _bytes(v: Any, what: str) -> bytes:
+def _bytes(v: Any, what: str) -> bytes | bytearray | memoryview:
     if not isinstance(v, (bytes, bytearray, memoryview)):
         raise _bad(f"{what} must be bytes, got {type(v).__name__}")
     return v
@@ -140,7 +140,7 @@ def _shape(v: Any) -> tuple:
     return v
 
 
-def parse_entry(e: Any) -> tuple:
+def parse_entry(e: Any) -> NpEntry | JaxEntry | RefEntry | TreeEntry:
     """One wire entry as its record; CorruptTransferError when malformed."""
     if not isinstance(e, tuple) or not e or not isinstance(e[0], str):
         raise _bad(f"an entry must be a tuple (kind, ...), got {type(e).__name__}")
@@ -153,7 +153,7 @@ def parse_entry(e: Any) -> tuple:
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise _bad(f"buffer layout entries must be (offset, nbytes), got {pair!r}")
             _int(pair[0], "buffer offset"), _int(pair[1], "buffer size")
-        return JaxEntry(_seq(fields[0], "array metadata"), tuple(layout), Handle.parse(fields[2], "array entry"))
+        return JaxEntry(_seq(fields[0], "array metadata"), tuple(layout), Handle.parse(fields[2], "array entry"))  # type: ignore[arg-type]
     if kind == "ref" and len(fields) == 3 and fields[0] in ("np", "jax"):
         info = fields[1]
         if fields[0] == "np" and not (isinstance(info, tuple) and len(info) == 2):
@@ -331,7 +331,7 @@ class Pieces(tuple):
     """One message as buffers to write in order, as one frame: its pickle, then its bulk bytes."""
 
 
-def dumps(msg: tuple) -> bytes | Pieces:
+def dumps(msg: Any) -> bytes | Pieces:
     """The wire form of a message record: ``(kind, *fields)`` pickled (Note [bulk bytes after
     the pickle] for a large ``data``)."""
     data = getattr(msg, "data", None)

@@ -19,6 +19,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 from .. import _lockorder
 from .._errors import PoolStateError
@@ -35,12 +36,12 @@ class CallbackRunner:
     """One thread per pool that completes results with callbacks, in completion order. Started
     at the first such result."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = _lockorder.lock("CallbackRunner.lock")
 
-    def deliver(self, result, index: int, ok: bool, value) -> None:
+    def deliver(self, result: Any, index: int, ok: bool, value: Any) -> None:
         if not result._has_callbacks():
             result._chunk_done(index, ok, value)
             return
@@ -79,7 +80,7 @@ class CallbackRunner:
                 t.join(5)
 
 
-def _refuse_wait_in_callback(result) -> None:
+def _refuse_wait_in_callback(result: Any) -> None:
     if getattr(_in_callback, "active", False) and result._has_callbacks():
         raise PoolStateError(
             "A jaxtransport.Pool callback waited for a result that has a callback itself: "
@@ -89,7 +90,7 @@ def _refuse_wait_in_callback(result) -> None:
         )
 
 
-def _call_quietly(fn, arg) -> None:
+def _call_quietly(fn: Callable, arg: Any) -> None:
     try:
         fn(arg)
     except BaseException:  # noqa: BLE001
@@ -100,7 +101,9 @@ def _call_quietly(fn, arg) -> None:
 class AsyncResult:
     """The result of ``apply_async`` (multiprocessing.pool.AsyncResult's API)."""
 
-    def __init__(self, keepalive, callback=None, error_callback=None):
+    def __init__(
+        self, keepalive: Any, callback: Callable | None = None, error_callback: Callable | None = None
+    ) -> None:
         self._done = False
         self._event: threading.Event | None = None  # made by the first wait() before it is done
         self._callback = callback
@@ -109,8 +112,8 @@ class AsyncResult:
         # Internal (the Executor): fast(ok, value) -> True when it completed the result's
         # consumer itself without running user code, so the delivering thread may call it.
         self._fast: Callable | None = None
-        self._ok = None
-        self._value = None
+        self._ok: bool | None = None
+        self._value: Any = None
 
     def ready(self) -> bool:
         return self._done
@@ -118,7 +121,7 @@ class AsyncResult:
     def successful(self) -> bool:
         if not self.ready():
             raise ValueError(f"{self!r} not ready")
-        return self._ok
+        return bool(self._ok)
 
     def _has_callbacks(self) -> bool:
         return self._callback is not None or self._error_callback is not None
@@ -135,7 +138,7 @@ class AsyncResult:
             event = self._event
         event.wait(timeout)
 
-    def get(self, timeout: float | None = None):
+    def get(self, timeout: float | None = None) -> Any:
         """The value, or raise the task's exception (its ``__cause__`` is the remote traceback).
         Raises multiprocessing.TimeoutError when ``timeout`` passes first."""
         self.wait(timeout)
@@ -145,7 +148,7 @@ class AsyncResult:
             return self._value
         raise self._value
 
-    def _set(self, ok: bool, value, run_callbacks: bool = True) -> None:
+    def _set(self, ok: bool, value: Any, run_callbacks: bool = True) -> None:
         if self._done:
             return
         self._ok, self._value = ok, value
@@ -160,7 +163,7 @@ class AsyncResult:
             event.set()
         self._keepalive = None
 
-    def _chunk_done(self, index: int, ok: bool, value) -> None:
+    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
         self._set(ok, value[0] if ok else value)
 
     def __repr__(self) -> str:
@@ -172,16 +175,23 @@ class MapResult(AsyncResult):
     """The result of ``map_async``/``starmap_async``: a list in input order; the first failing
     chunk fails the whole result (as multiprocessing)."""
 
-    def __init__(self, keepalive, length: int, chunksize: int, callback=None, error_callback=None):
+    def __init__(
+        self,
+        keepalive: Any,
+        length: int,
+        chunksize: int,
+        callback: Callable | None = None,
+        error_callback: Callable | None = None,
+    ) -> None:
         super().__init__(keepalive, callback, error_callback)
-        self._values = [None] * length
+        self._values: list | None = [None] * length
         self._chunksize = chunksize
         self._left = -(-length // chunksize) if length else 0
         self._lock = _lockorder.lock("MapResult._lock")
         if not self._left:
             self._set(True, [])
 
-    def _chunk_done(self, index: int, ok: bool, value) -> None:
+    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
         with self._lock:
             if self._done:
                 return
@@ -190,7 +200,7 @@ class MapResult(AsyncResult):
                 done, result = True, value
             else:
                 start = index * self._chunksize
-                self._values[start : start + len(value)] = value
+                self._values[start : start + len(value)] = value  # type: ignore[index]
                 self._left -= 1
                 done, result = self._left == 0, self._values
         if done:
@@ -201,7 +211,7 @@ class IMapIterator:
     """The iterator of ``imap`` (ordered) / ``imap_unordered``; ``next(timeout)`` as in
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
-    def __init__(self, keepalive, ordered: bool):
+    def __init__(self, keepalive: Any, ordered: bool) -> None:
         self._cond = _lockorder.condition("IMapIterator._cond")
         self._ordered = ordered
         self._ready: dict[int, tuple[bool, object]] = {}
@@ -219,7 +229,7 @@ class IMapIterator:
         """Chunks finished whose results were not all taken yet (imap's backpressure)."""
         return self._done_chunks - self._yielded_chunks
 
-    def __iter__(self):
+    def __iter__(self) -> IMapIterator:
         return self
 
     def _set_length(self, chunks: int) -> None:
@@ -227,7 +237,7 @@ class IMapIterator:
             self._total_chunks = chunks
             self._cond.notify_all()
 
-    def _chunk_done(self, index: int, ok: bool, value) -> None:
+    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
         with self._cond:
             self._done_chunks += 1
             if ok:
@@ -241,7 +251,7 @@ class IMapIterator:
                 self._queue.append((ok, value))
             self._cond.notify_all()
 
-    def next(self, timeout: float | None = None):
+    def next(self, timeout: float | None = None) -> Any:
         with self._cond:
             while True:
                 if self._queue:

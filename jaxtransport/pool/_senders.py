@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 
 from .. import _lockorder, _shm
 
@@ -102,7 +103,7 @@ class Sender:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def post(self, payload: bytes | list, segments=()) -> None:
+    def post(self, payload: bytes | Sequence, segments=()) -> None:
         """Send ``payload`` (one message, or a list of messages sent in one write) after
         passing ``segments`` ((seg_id, size, fd) each; the fd is duplicated here, so the arena
         may close its own at any time)."""
@@ -244,7 +245,7 @@ class BufferedFrames:
             raise EOFError("the parent closed the pipe")
         self.buf += data
 
-    def next(self, timeout: float | None) -> bytes | None:
+    def next(self, timeout: float | None) -> bytes | bytearray | None:
         buf = self.buf
         while True:
             header = _header(buf, 0)

@@ -28,7 +28,7 @@ class TreeRec:
         self.tree_id = tree_id
         self.key = ("tree", tree_id)
         self.owner = owner  # the engine: a tree only travels with its own pool's tasks
-        self.enc = None
+        self.enc: Any = None
         self.users = 0  # submitted chunks not finished
         self.released = self.freed = False
         self.workers: set = set()  # keys of the workers that have it

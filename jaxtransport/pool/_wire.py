@@ -343,7 +343,7 @@ def commit(
                     continue
             if kind == "np":
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-                handle, dst = arena.alloc(src.nbytes, borrower, wait)
+                handle, dst = arena.alloc(src.nbytes, borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
                 np.copyto(dst, src.reshape(-1).view(np.uint8))
                 entries.append(("np", x.dtype, x.shape, tuple(handle)))
@@ -355,7 +355,7 @@ def commit(
                 for b in bufs:
                     layout.append((total, b.nbytes))
                     total += -(-b.nbytes // ALIGN) * ALIGN
-                handle, dst = arena.alloc(max(total, 1), borrower, wait)
+                handle, dst = arena.alloc(max(total, 1), borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
                 for (off, n), b in zip(layout, bufs):
                     np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
@@ -363,7 +363,7 @@ def commit(
             segs.add(handle[0])
     except BaseException:
         for h in handles:
-            arena.release(h, borrower)
+            arena.release(h, borrower)  # type: ignore[union-attr,arg-type]
         raise
     return Encoded(prep.data, entries, handles, prep.trees, segs)
 
@@ -519,7 +519,7 @@ class Held:
         self.data, self.holders, self.makers, self.placement = data, holders, makers, placement
 
     def rebuild(self) -> Any:
-        return _unpickle(self.data, self.placement, (make() for make in self.makers))
+        return _unpickle(self.data, self.placement, (make() for make in self.makers))  # type: ignore[union-attr]
 
 
 def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | None) -> tuple[list, list]:
@@ -541,7 +541,7 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
                     )
                 holder = own(rec.handle)
             else:
-                holder = mapper.holder(rec.handle)
+                holder = mapper.holder(rec.handle)  # type: ignore[union-attr]
             parsed.append(rec)
             holders.append(holder)
     except BaseException:

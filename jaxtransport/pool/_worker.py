@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 from .. import _procenv
 
@@ -107,7 +108,7 @@ class _Worker:
         self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
         self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
-        self.held_trees: dict[int, object] = {}  # id -> _wire.Held: its slots held, mapped once
+        self.held_trees: dict[int, Any] = {}  # id -> _wire.Held: its slots held, mapped once
         self.backlog: list = []
         self.cell = cell
         self.claim = claim
@@ -169,7 +170,7 @@ class _Worker:
                 return msg, self.tasks_read
             return msg
 
-    def report_garbled(self, raw: bytes, err: BaseException) -> None:
+    def report_garbled(self, raw: bytes | bytearray, err: BaseException) -> None:
         P = self.protocol
         try:
             msg = pickle.loads(raw)
@@ -370,7 +371,7 @@ class _Worker:
                 raise
             ok = False
             out = _pack_error(e)
-            e = None
+            e = None  # type: ignore[assignment]
         seconds = time.perf_counter() - start
         self._wait_start = None
         if ok:
@@ -390,7 +391,7 @@ class _Worker:
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
         do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
         or with the pickling error itself (an Executor's, as concurrent.futures)."""
-        from multiprocessing.pool import MaybeEncodingError
+        from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
 
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)

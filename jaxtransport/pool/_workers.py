@@ -13,6 +13,7 @@ import os
 import pickle
 import select
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _procenv, _shm
@@ -126,7 +127,7 @@ class WorkerRec:
         except (OSError, ValueError):
             return False
 
-    def post(self, msg_bytes: bytes | list, segments=()) -> None:
+    def post(self, msg_bytes: bytes | Sequence, segments=()) -> None:
         self.sender.post(msg_bytes, segments)
 
 

@@ -602,7 +602,7 @@ class QueueBackend(Backend):
         import time
 
         deadline = time.monotonic() + self.timeout
-        out = []
+        out: list = []
         while len(out) < n:
             try:
                 item = self._traj.get(timeout=1.0)
