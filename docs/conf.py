@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)  # the checkout's jaxtransport, installed or not
 
 project = "jaxtransport"
 author = "jaxtransport contributors"
-copyright = "2026, jaxtransport contributors"  # noqa: A001 - Sphinx's name
+copyright = "2026, jaxtransport contributors"
 release = version = "0.1.0"
 
 extensions = [
@@ -50,13 +50,22 @@ napoleon_numpy_docstring = False
 
 # Names from other projects (not resolvable offline) and the builtins' own docs.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(jax|jaxlib|numpy|np|ray|cloudpickle|concurrent|collections|typing|types|multiprocessing|"
-     r"socket|threading|queue|pickle|io|os|asyncio|weakref|mmap|ctypes|ml_dtypes)(\..*)?"),
-    (r"py:.*", r"(Any|Callable|Iterable|Iterator|Sequence|Mapping|MutableMapping|Hashable|SupportsIndex|"
-     r"TracebackType|FrameType|Future|SyncManager|BaseContext|BaseProcess)"),
-    (r"py:.*", r"(int|float|str|bytes|bytearray|memoryview|bool|dict|list|tuple|set|frozenset|type|object|"
-     r"None|NoneType|Exception|BaseException|ValueError|TypeError|RuntimeError|MemoryError|OSError|"
-     r"EOFError|TimeoutError|UserWarning|Warning|ImportError)"),
+    (
+        r"py:.*",
+        r"(jax|jaxlib|numpy|np|ray|cloudpickle|concurrent|collections|typing|types|multiprocessing|"
+        r"socket|threading|queue|pickle|io|os|asyncio|weakref|mmap|ctypes|ml_dtypes)(\..*)?",
+    ),
+    (
+        r"py:.*",
+        r"(Any|Callable|Iterable|Iterator|Sequence|Mapping|MutableMapping|Hashable|SupportsIndex|"
+        r"TracebackType|FrameType|Future|SyncManager|BaseContext|BaseProcess)",
+    ),
+    (
+        r"py:.*",
+        r"(int|float|str|bytes|bytearray|memoryview|bool|dict|list|tuple|set|frozenset|type|object|"
+        r"None|NoneType|Exception|BaseException|ValueError|TypeError|RuntimeError|MemoryError|OSError|"
+        r"EOFError|TimeoutError|UserWarning|Warning|ImportError)",
+    ),
     (r"py:.*", r"(optional|callable|iterable|ellipsis)"),
 ]
 
