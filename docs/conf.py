@@ -8,6 +8,10 @@ way, so the reference looks like the ones jaxtransport's users already read.
 The build is offline: no intersphinx (it downloads inventories). References into other projects
 (``numpy.ndarray``, ``jax.Array``, ``concurrent.futures.Future``) therefore cannot resolve and are
 listed in ``nitpick_ignore_regex``; every reference to jaxtransport's own objects must resolve.
+
+Every ```python`` example in these pages (and in the README) runs in the test suite as a script
+of its own (tests/test_docs.py). One that cannot run there says why on the line before its
+fence: ``<!-- not run: it joins an existing Ray cluster -->`` (an HTML comment: not rendered).
 """
 
 from __future__ import annotations
