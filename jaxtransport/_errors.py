@@ -202,7 +202,7 @@ class LockOrderError(RuntimeError):
     thread take two of jaxtransport's locks against their written order: two threads doing
     that at once deadlock. A bug in jaxtransport; the message names both locks and the stack."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (type(self), self.args)
 
 

@@ -428,7 +428,7 @@ def unguarded_start(what: str) -> str | None:
     main = sys.modules.get("__main__")
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
         script = "the main script"
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         while frame is not None:  # runpy runs it in a temporary module named __mp_main__
             if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
                 script = f"{frame.f_code.co_filename}, line {frame.f_lineno}"

@@ -196,7 +196,7 @@ class _NotBytes(Exception):
 
 
 class _OnlyBytes(pickle.Unpickler):
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if module == _Bytes.__module__ and name == "_Bytes":
             return _Bytes
         raise _NotBytes

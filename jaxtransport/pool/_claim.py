@@ -25,8 +25,8 @@ _libc = None
 def _lib():
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        if not hasattr(lib, "sem_trywait"):
+        lib: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+        if lib is not None and not hasattr(lib, "sem_trywait"):
             name = ctypes.util.find_library("pthread")
             lib = ctypes.CDLL(name, use_errno=True) if name else None
         if lib is not None:

@@ -21,6 +21,7 @@ import weakref
 
 from .. import _lockorder, _procenv, _shm
 from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
+from .._shm import Handle
 from . import _protocol, _wire
 from ._lifecycle import Lifecycle
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)

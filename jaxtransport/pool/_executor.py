@@ -357,7 +357,7 @@ class _FuturesPool(Pool):
     _futures = True
 
 
-def _pop_result(futures: list, timeout: float | None):
+def _pop_result(futures: list, timeout: float | None) -> Any:
     """The last future's result, the future popped first so no frame keeps it (its value)."""
     fut = futures.pop()
     try:

@@ -330,8 +330,8 @@ class _Worker:
         # them on an idle worker (``Engine.take_back``). Both ends count the tasks on this
         # pipe (the parent as it sends, the worker as it reads: ``seq``), and three shared
         # int64s say who has what: [0] the id of the chunk started last, [1] its seq,
-        # [2] the last seq the parent took back ([3]: the last seq skipped for that). Starting a chunk and taking chunks back
-        # are one step each under ``claim``, a process-shared lock: the worker starts the
+        # [2] the last seq the parent took back ([3]: the last seq skipped for that). Starting a
+        # chunk and taking chunks back are one step each under ``claim``, a process-shared lock: the worker starts the
         # chunk only if its seq is past [2]; the parent takes back only the chunks past [1]
         # and then raises [2] to the last seq it sent. So a chunk runs here or there, never
         # both, whoever comes first. The parent only tries the lock (never waits on a

@@ -251,7 +251,6 @@ def warm_up(warm: Warm) -> None:
     """Build ``warm.slot``'s environments (if given) and compile the acting step for these
     shapes in this process (zeros in, result dropped)."""
 
-
     for slot in range(warm.workers) if warm.slot is None else (warm.slot,):
         actor(warm.spec, slot)
     compile_act(warm)

@@ -523,7 +523,7 @@ class QueueBackend(Backend):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
 
-            ctx = jmp.get_context("spawn")
+            ctx: Any = jmp.get_context("spawn")
         else:
             ctx = multiprocessing.get_context("spawn")
         shape = _shape(warm, shape)

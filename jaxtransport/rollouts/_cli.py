@@ -202,9 +202,9 @@ def train(
 
     def warm_up_learner():
         if cfg.atari:
-            zeros = jax.tree.map(jnp_zeros_like, (params, opt))
+            zero_params, zero_opt = jax.tree.map(jnp_zeros_like, (params, opt))
             trajs = [atari.trajectory_shape(spec, cfg.steps) for _ in range(cfg.workers)]
-            jax.block_until_ready(learn(*zeros, trajs))
+            jax.block_until_ready(learn(zero_params, zero_opt, trajs))
         else:
             worker.warm_up_learner(
                 params,

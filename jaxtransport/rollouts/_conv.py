@@ -99,7 +99,7 @@ def learn(params, opt, trajs, lr, *, gamma: float, entropy_coef: float):
             [apply(p, t.frames.reshape((-1,) + t.frames.shape[2:])).reshape(t.frames.shape[:2] + (-1,)) for t in trajs],
             axis=1,
         )
-        batch = policy.Batch(None, acts.reshape(-1), adv, logps.reshape(-1))
+        batch = policy.Batch(None, acts.reshape(-1), adv, logps.reshape(-1))  # type: ignore[arg-type]  # pg_loss reads no features
         return policy.pg_loss(logits.reshape(-1, logits.shape[-1]), batch, entropy_coef)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

@@ -160,10 +160,9 @@ def learn(params, opt, trajs, lr, table_lr, *, frame_size: int, gamma: float, en
         # led to it (Pardo et al. 2018, "Time Limits in Reinforcement Learning"). The next
         # episode's rewards stand in for the truncated one's future.
         rets.append(policy.discounted_returns(traj.rewards.T, traj.failures.T, gamma).T)
-    feats, acts, logps, rets = (jnp.concatenate(x, axis=1) for x in (feats, acts, logps, rets))
-    adv = policy.advantages(rets)
-    feats, acts, logps = feats.reshape(-1, 4), acts.reshape(-1), logps.reshape(-1)
-    return policy.update(params, opt, policy.Batch(feats, acts, adv, logps), lr, table_lr, entropy_coef)
+    f, a, lp, r = (jnp.concatenate(x, axis=1) for x in (feats, acts, logps, rets))
+    batch = policy.Batch(f.reshape(-1, 4), a.reshape(-1), policy.advantages(r), lp.reshape(-1))
+    return policy.update(params, opt, batch, lr, table_lr, entropy_coef)
 
 
 def warm_up(rows: int, hidden: int, envs: int, frame_size: int, steps: int) -> None:
