@@ -43,13 +43,13 @@ def test_a_tracer_on_a_stock_queue_is_reported_from_the_feeder_thread_and_droppe
     assert "['w']" in str(at_call_site["error"])
 
 
-def test_register_and_the_readme_document_it():
+def test_register_and_the_docs_document_it():
     import os
 
     from .conftest import ROOT
 
     doc = jt.register.__doc__
     assert "multiprocessing.Queue" in doc and "feeder thread" in doc and "check_transportable" in doc
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert "feeder thread" in readme and "jt.check_transportable(obj)` before `q.put(obj)`" in readme
+    with open(os.path.join(ROOT, "docs", "guides", "codec.md"), encoding="utf-8") as f:
+        guide = f.read()  # the codec and register() guide of the documentation site
+    assert "feeder thread" in guide and "jt.check_transportable(obj)` before `q.put(obj)`" in guide

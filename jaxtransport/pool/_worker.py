@@ -427,7 +427,7 @@ class _Worker:
 # Pool(preload_jax=...) has each worker import JAX on a thread of its own once it is ready, so
 # the first task that needs JAX does not pay the import. Two threads importing JAX's modules at
 # once is not safe: JAX's modules import each other in cycles, and a second thread that enters
-# the cycle elsewhere (unpickling ``jax._src.pjit.JitWrapped``, say) gets CPython's "partially
+# the cycle elsewhere (unpickling a jitted function's wrapper class, say) gets CPython's "partially
 # initialized module" ImportError where the import locks would deadlock. So while the
 # background import runs, ``builtins.__import__`` is wrapped: an import of ``jax``/``jaxlib``
 # (or below) by any other thread waits until the background import is done, then proceeds (it
@@ -438,7 +438,8 @@ class _Worker:
 
 _jax_import_done = threading.Event()
 _jax_import_thread: int | None = None
-_JAX_PREFIXES = ("jax.", "jaxlib.")
+_JAX_ROOTS = ("jax", "jaxlib")
+_JAX_PREFIXES = tuple(root + "." for root in _JAX_ROOTS)
 
 
 def _start_jax_import() -> None:
@@ -450,7 +451,7 @@ def _start_jax_import() -> None:
         if (
             level == 0
             and not _jax_import_done.is_set()
-            and (name in ("jax", "jaxlib") or name.startswith(_JAX_PREFIXES))
+            and (name in _JAX_ROOTS or name.startswith(_JAX_PREFIXES))
             and threading.get_ident() != _jax_import_thread
         ):
             _jax_import_done.wait()
