@@ -380,6 +380,33 @@ class RayBackend(Backend):
 _READY = "ready"  # an actor's first message: started and compiled
 
 
+def _take_from(traj_q, n: int, ready: bool, *, name: str, timeout: float, poll_s: float, check) -> list:
+    """The next ``n`` items of a streaming backend's trajectory queue: with ``ready``, the
+    actors' ``_READY`` messages (a trajectory then is an error); else trajectories (a late
+    ``_READY`` is skipped). ``check()`` raises when an actor died or failed; past ``timeout``
+    seconds without ``n`` items, a timeout error."""
+    import queue as _queue
+
+    deadline = time.monotonic() + timeout
+    out: list = []
+    while len(out) < n:
+        try:
+            item = traj_q.get(timeout=poll_s)
+        except _queue.Empty:
+            check()
+            if time.monotonic() > deadline:
+                raise _timeout_error(name, timeout) from None
+            continue
+        if isinstance(item, str) and item == _READY:
+            if ready:
+                out.append(item)
+            continue
+        if ready:
+            raise RuntimeError(f"{name}: a trajectory arrived before every actor was ready")
+        out.append(item)
+    return out
+
+
 class _ActorItem(NamedTuple):
     """A streaming actor's message on the trajectory queue (after its ``_READY``)."""
 
@@ -598,32 +625,17 @@ class QueueBackend(Backend):
     def _take(self, n: int, ready: bool) -> list:
         """The next ``n`` trajectories (``ready``: the actors' ready messages) from the shared
         queue, raising when an actor died or the task timeout passes."""
-        import queue as _queue
-        import time
+        return _take_from(
+            self._traj, n, ready, name=self.name, timeout=self.timeout, poll_s=1.0, check=self._check_actors
+        )
 
-        deadline = time.monotonic() + self.timeout
-        out: list = []
-        while len(out) < n:
-            try:
-                item = self._traj.get(timeout=1.0)
-            except _queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(
-                        f"{self.name}: rollout actor {dead[0].name} (pid {dead[0].pid}) exited with code "
-                        f"{dead[0].exitcode}: check its output above"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise _timeout_error(self.name, self.timeout) from None
-                continue
-            if item == _READY:
-                if ready:
-                    out.append(item)
-                continue
-            if ready:
-                raise RuntimeError(f"{self.name}: a trajectory arrived before every actor was ready")
-            out.append(item)
-        return out
+    def _check_actors(self) -> None:
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"{self.name}: rollout actor {dead[0].name} (pid {dead[0].pid}) exited with code "
+                f"{dead[0].exitcode}: check its output above"
+            ) from None
 
     def _stop(self, grace: float) -> None:
         t = self._publishing
@@ -728,30 +740,14 @@ class ThreadsBackend(Backend):
         return _rollouts(self._take(len(tasks), ready=False), handle)
 
     def _take(self, n: int, ready: bool) -> list:
-        import queue as _queue
+        return _take_from(
+            self._traj, n, ready, name=self.name, timeout=self.timeout, poll_s=0.5, check=self._check_actors
+        )
 
-        deadline = time.monotonic() + self.timeout
-        out: list = []
-        while len(out) < n:
-            try:
-                item = self._traj.get(timeout=0.5)
-            except _queue.Empty:
-                if self._errors:
-                    name, exc = self._errors[0]
-                    raise RuntimeError(
-                        f"{self.name}: rollout actor thread {name} failed: {type(exc).__name__}: {exc}"
-                    ) from exc
-                if time.monotonic() > deadline:
-                    raise _timeout_error(self.name, self.timeout) from None
-                continue
-            if isinstance(item, str):  # _READY
-                if ready:
-                    out.append(item)
-                continue
-            if ready:
-                raise RuntimeError(f"{self.name}: a trajectory arrived before every actor was ready")
-            out.append(item)
-        return out
+    def _check_actors(self) -> None:
+        if self._errors:
+            name, exc = self._errors[0]
+            raise RuntimeError(f"{self.name}: rollout actor thread {name} failed: {type(exc).__name__}: {exc}") from exc
 
     def _stop(self, grace: float) -> None:
         import queue as _queue
