@@ -678,7 +678,7 @@ class Arena:
             why = (
                 f"shm_capacity={self.capacity} ({_fmt(self.capacity)}) is reached: {_fmt(held)} are held by "
                 "arrays the receivers still keep alive (results you have not dropped, SharedTrees not "
-                "released, arrays a worker keeps) and no release came in time"
+                f"released, arrays a worker keeps; holders: {self._holders()}) and no release came in time"
             )
         return ShmCapacityError(
             f"jaxtransport.Pool could not get {_fmt(nbytes)} ({nbytes} bytes) of shared memory in {self.label}: "
@@ -686,6 +686,19 @@ class Arena:
             "Fixes: drop received arrays you no longer need, call SharedTree.release(), raise "
             "Pool(shm_capacity=...), or raise shm_threshold so smaller arrays travel inline."
         )
+
+    def _holders(self) -> str:
+        """Lock held: who holds the live slots, largest first (for the capacity error)."""
+        by: dict[str, list[int]] = {}
+        for k, s in self._slots.items():
+            for b in s.refs:
+                name = " ".join(map(str, b)) if isinstance(b, tuple) else str(b)
+                n = by.setdefault(name, [0, 0])
+                n[0] += 1
+                n[1] += self._segs[k[0]].cls
+        top = sorted(by.items(), key=lambda kv: -kv[1][1])
+        text = ", ".join(f"{name}: {n} slot{'s' * (n != 1)} ({_fmt(b)})" for name, (n, b) in top[:6])
+        return text + (f" and {len(top) - 6} more" if len(top) > 6 else "") if top else "none"
 
     # -- reference counting (Note [slot lifetime])
     def _slot(self, handle: Handle) -> _Slot | None:

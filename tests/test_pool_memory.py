@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import signal
+import threading
 import time
 
 import jax
@@ -424,6 +425,44 @@ def test_capacity_reached_with_nothing_in_flight_is_a_clear_error(monkeypatch):
         assert float(p.apply(produce, (3, 3 * MIB // 4))[0]) == 3.0  # released: works again
         s1.release()
         s2.release()
+
+
+def sleep_then_sum(x):
+    time.sleep(2.0)
+    return float(x.sum())
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_terminate_while_a_caller_waits_for_memory_is_a_pool_state_error(start_method):
+    # Seen in CI's stress test: a thread waiting at the cap when terminate() came got
+    # ShmCapacityError ("no release came in time"), which blames memory for a stopped pool.
+    p = jt.Pool(2, start_method=start_method, shm_capacity=8 * MIB, shm_threshold=64 << 10)
+    try:
+        running = [p.apply_async(sleep_then_sum, (np.ones(MIB // 2),)) for _ in range(2)]  # the cap
+        assert wait_until(lambda: p._state.in_flight() == 2, 30)
+        box: list = []
+        waiter = threading.Thread(target=lambda: box.append(_outcome(p, np.ones(MIB // 2))))
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive()  # waiting for memory
+        p.terminate()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert isinstance(box[0], PoolStateError), box[0]
+        assert "terminated" in str(box[0])
+        for r in running:
+            with pytest.raises((PoolStateError, jt.PoolTerminatedError)):
+                r.get(30)
+    finally:
+        p.terminate()
+        p.join()
+
+
+def _outcome(p, x):
+    try:
+        return p.apply(sleep_then_sum, (x,))
+    except BaseException as e:  # noqa: BLE001
+        return e
 
 
 def test_bad_handle_fails_only_its_task(monkeypatch, pool1):

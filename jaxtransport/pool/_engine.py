@@ -197,9 +197,10 @@ class Engine:
     def wait_for_space(self) -> float | bool:
         """Arena wait hook for the caller's thread (see Arena.alloc; called with no lock held):
         wait while tasks that will release memory are in flight; give up after a grace period
-        when none is."""
+        when none is. A pool terminated or broken meanwhile raises its PoolStateError: the task
+        was never sent, because the pool stopped, not because memory ran out."""
         if self.flags.stopped:
-            return False
+            self.flags.check_running()
         busy = self.in_flight() > 0
         now = time.monotonic()
         start = getattr(self.tls, "wait_start", None)
