@@ -188,6 +188,46 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def stock_bound(rows: list[dict], trajectories: int = 8) -> str | None:
+    """The most any transport could gain over ``queue/stock`` at 2 actors, by Amdahl's law:
+    the CPU that ``multiprocessing.Queue`` spends on one actor's trajectory (the feeder's
+    pickle, the pipe's copies, the learner's unpickle into arrays), measured here as process
+    CPU time over a put and get in one process, is all a faster transport can give back to the
+    actors and the learner, which keep the cores busy otherwise."""
+    import multiprocessing
+    import time
+
+    import jax
+    import numpy as np
+
+    from jaxtransport.rollouts import _atari as atari
+
+    at = {(r["actors"], r["transport"]): r for r in rows}
+    s = at.get((2, "queue/stock"))
+    if s is None:
+        return None
+    cfg = demo.Config.for_env(GAME, workers=2)
+    traj = atari.trajectory_shape(atari.Spec(atari.game_id(GAME), cfg.envs, 84, 0), cfg.steps)
+    frames = np.random.default_rng(0).integers(0, 256, traj.frames.shape, np.uint8)
+    traj = traj._replace(frames=jax.device_put(frames))
+    q = multiprocessing.get_context("spawn").Queue()
+    q.put(traj), jax.block_until_ready(q.get())  # the feeder thread started, pickling warm
+    cpu = time.process_time()
+    for _ in range(trajectories):
+        q.put(traj)
+        jax.block_until_ready(jax.tree.map(jax.numpy.asarray, q.get()))
+    cost = (time.process_time() - cpu) / trajectories
+    q.close()
+    q.join_thread()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = 2 * cost / (cores * s["seconds"])  # both actors' trajectories, of the cores' time per update
+    bound = 1 / (1 - min(share, 0.99))
+    return (f"INFO 2 actors: stock multiprocessing spends {1e3 * cost:.0f} ms of CPU per trajectory "
+            f"({traj.frames.nbytes / 2**20:.0f} MiB; put and get, measured here), {100 * share:.1f}% of "
+            f"{cores} cores' time per update ({s['seconds']:.2f} s): no transport can make queue/stock "
+            f"more than {bound:.2f}x faster here (Amdahl)")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 round, 5 iterations")
@@ -205,6 +245,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                runs=runs)
     for line in check_targets(rows):
         print(line)
+    bound = stock_bound(rows)
+    if bound:
+        print(bound)
     return rows
 
 
