@@ -30,7 +30,7 @@ FLOOR_VENV := .venv-floor
 RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py tests/test_pool.py \
 	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py
 
-.PHONY: venv demo test bench clean test-newest test-floor venv-newest venv-floor lint docs
+.PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -82,8 +82,14 @@ venv-floor: $(FLOOR_VENV)/.installed
 demo: $(DEMO_STAMP)
 	$(PY) -m jaxtransport.rollouts --compare
 
+# `make test`: the suite without the tests marked slow (Ray, the multi-node cluster, the demo
+# end to end, the docs' examples, the ecosystem libraries, the stress test); `make test-slow`:
+# those. CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -ra -m slow
 
 test-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)

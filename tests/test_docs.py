@@ -15,6 +15,9 @@ import pytest
 
 from .conftest import ROOT
 
+# Slow (make test-slow): each example runs in a fresh interpreter; the site is built with Sphinx.
+pytestmark = pytest.mark.slow
+
 DOCS = ["README.md"] + sorted(
     os.path.relpath(p, ROOT)
     for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)

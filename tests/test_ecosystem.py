@@ -33,7 +33,8 @@ import jaxtransport as jt
 
 from .conftest import ROOT, memfd_mapped
 
-pytestmark = pytest.mark.timeout(300)
+# Slow (make test-slow): module-scoped pools, a Ray cluster and fresh interpreters per library.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 try:
     import optax

@@ -494,6 +494,7 @@ def capture(*args, **kwargs):
     return args, kwargs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_cpython_process_pool_executor_tests(start_method):
     # CPython's Lib/test/test_concurrent_futures (executor.py, test_shutdown.py) against
@@ -565,6 +566,7 @@ def mul(x, y):
     return x * y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_cpython_process_pool_tests_worker_side(start_method):
     # More of CPython's test_process_pool.py: chunksize checks, the remote traceback, arguments

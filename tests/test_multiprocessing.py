@@ -645,6 +645,7 @@ def test_garbage_from_a_peer_is_an_error_for_that_message_only(no_fd_leak):
         a.close()
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_arrays_never_exhaust_fds(no_fd_leak):
     """100,000 arrays through one queue into a consumer limited to 64 open files."""
     ctx = jmp.get_context("spawn")

@@ -262,6 +262,7 @@ class _Inline:
         pass
 
 
+@pytest.mark.slow
 def test_return_improves_with_a_fixed_seed(monkeypatch):
     """REINFORCE on pixels learns: the last iterations' mean return is at least twice the
     first's. Deterministic (fixed seed, XLA CPU), so this cannot flake."""
@@ -310,6 +311,7 @@ def test_learning_with_one_update_of_lag_is_corrected(monkeypatch):
 # the CLI, end to end through real worker processes
 
 
+@pytest.mark.slow
 def test_cli_pool_compare_end_to_end():
     """Both transports on the Pool backend: the same learning curve bit for bit (the transport
     changes nothing but the speed), and the report table. Output into a pipe (stdout and
@@ -355,6 +357,7 @@ def test_progress_bar_only_when_every_stream_is_a_terminal(monkeypatch):
         assert sum(line.startswith("iter ") for line in out.getvalue().splitlines()) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport,max_lag", [("jaxtransport", 1), ("compare", 0)])
 def test_cli_queue_backend_streams_and_reports_lag(transport, max_lag):
     """--backend queue: long-lived actors stream trajectories through a queue (the same code on

@@ -43,6 +43,9 @@ def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+# Slow (make test-slow): ALE environments, actor processes, the demo end to end.
+pytestmark = pytest.mark.slow
+
 def _spec(envs=3, frame_size=36, seed=0):
     return atari.Spec(atari.game_id("pong"), envs, frame_size, seed)
 

@@ -20,7 +20,7 @@ import warnings
 import weakref
 
 from .. import _lockorder, _procenv, _shm
-from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
+from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
 from .._shm import Handle
 from . import _protocol, _wire
 from ._lifecycle import Lifecycle
@@ -223,7 +223,12 @@ class Engine:
         self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
         self.tls.wait_start = None
-        enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+        try:
+            enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+        except ShmCapacityError:
+            if self.flags.stopped:  # terminated or broken while waiting: its memory was closed
+                self.flags.check_running()
+            raise
         self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def submit_plain(self, preps: list, result) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import _nojax, _procenv, _shm, _usercode
-from .._errors import MainGuardError, PoolStateError
+from .._errors import MainGuardError, PoolStateError, ShmCapacityError
 from .._nojax import find_tracer
 from . import _wire
 from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
@@ -336,7 +336,12 @@ class Pool:
             tree, threshold=state.threshold, tree_type=None, locate=lambda: _first_tracer((tree, "tree"))
         )
         state.tls.wait_start = None
-        rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
+        try:
+            rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
+        except ShmCapacityError:
+            if state.flags.stopped:  # terminated or broken while waiting: its memory was closed
+                state.check_running()
+            raise
         rec.nbytes = sum(h[2] for h in rec.enc.handles)
         state.trees.add(rec)
         return SharedTree(state.trees, rec, tree)
