@@ -16,7 +16,7 @@ __all__ = ["METHODS", "available_methods", "check_method", "default_method", "se
 
 METHODS = ("spawn", "forkserver")
 
-_default = ["spawn"]  # set_start_method's choice (one process-wide value)
+_default_method = "spawn"  # set_start_method's choice (one process-wide value)
 
 
 def check_method(method: str | None, what: str) -> str:
@@ -35,12 +35,13 @@ def check_method(method: str | None, what: str) -> str:
 
 def default_method() -> str:
     """The default start method (``set_start_method``'s, "spawn" until it is called)."""
-    return _default[0]
+    return _default_method
 
 
 def set_default_method(method: str) -> None:
     """Make ``method`` (already checked with :func:`check_method`) the default."""
-    _default[0] = method
+    global _default_method
+    _default_method = method
 
 
 def available_methods() -> list[str]:
