@@ -4,6 +4,7 @@ against baselines measured in the same run."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
@@ -61,6 +62,20 @@ def timeit(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float,
     return statistics.median(times), min(times), max(times)
 
 
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    """The seconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones, with a
+    garbage collection before each timed call (so none lands inside one)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        gc.collect()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
 def reps_for(nbytes: int, quick: bool) -> int:
     if nbytes >= 256 * MiB:
         return 3
@@ -109,3 +124,72 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     for r in rows:
         print("  ".join(cell(r, c).ljust(w) for c, w in zip(columns, widths)))
     sys.stdout.flush()
+
+
+def usable_cores() -> int | None:
+    """The cores this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
+def versions_line(*, ray: bool = False) -> str:
+    """One line: python, jax, (with ``ray``: Ray or "-"), numpy, usable cores, kernel release."""
+    import jax
+
+    parts = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
+    if ray:
+        try:
+            import ray as ray_module
+
+            parts.append(f"ray {ray_module.__version__}")
+        except ImportError:
+            parts.append("ray -")
+    parts += [f"numpy {np.__version__}", f"{usable_cores()} cores", platform.release()]
+    return ", ".join(parts)
+
+
+def median_row(name: str, size: int, transport: str, ts: list[float], base: float | None = None, *,
+               gbps: bool = False, inverse: bool = False, **extra) -> dict:
+    """A row of repeated timings ``ts``: their median as ``seconds``, ``min``, ``max`` and
+    ``reps``; with ``base`` (the baseline's median) ``ratio`` = base / median (higher is
+    better), and with ``inverse`` also ``vs_baseline`` = median / base (this row's time in
+    baselines); with ``gbps`` the median's throughput. Then ``extra``, in order."""
+    med = statistics.median(ts)
+    r = {"name": name, "size_bytes": size, "transport": transport, "seconds": med, "min": min(ts), "max": max(ts)}
+    if gbps:
+        r["gbps"] = size / med / 1e9 if size and med else None
+    r["ratio"] = base / med if base else None
+    if inverse:
+        r["vs_baseline"] = med / base if base else None
+    r["reps"] = len(ts)
+    r.update(extra)
+    return r
+
+
+def print_median_row(r: dict, *, name_width: int, size_width: int, seconds_width: int, tail: str = "") -> None:
+    """One line of a :func:`median_row`: name, size in MiB, transport, median (min, max, n)."""
+    size = f"{r['size_bytes'] / MiB:{size_width}.0f} MiB" if r["size_bytes"] else "-".rjust(size_width + 4)
+    print(f"{r['name']:<{name_width}} {size} {r['transport']:<38} median {r['seconds']:{seconds_width}.3f} s "
+          f"(min {r['min']:.3f}, max {r['max']:.3f}, n={r['reps']}){tail}", flush=True)
+
+
+def print_targets(lines: list[str]) -> None:
+    """The PASS/MISS lines of a benchmark's ``check_targets``, after its rows."""
+    print("\ntargets:")
+    for text in lines:
+        print("  " + text)
+
+
+def main_of_module(modname: str, *, cpu: bool = False):
+    """What a benchmark run as a script (``python -m benchmarks.NAME``) does: run the importable
+    module's ``main()``, not this ``__main__`` copy's. Workers import task bodies from the
+    module; functions defined in ``__main__`` would travel by value (cloudpickle) on every task,
+    which would measure cloudpickle rather than the transport (multiprocessing.Pool pickles them
+    by reference). ``cpu``: JAX on CPU unless ``JAX_PLATFORMS`` says otherwise."""
+    import importlib
+
+    if cpu:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return importlib.import_module(modname).main()

@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
-import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from . import _common
 
 MIB, GIB = 1 << 20, 1 << 30
 SIZES = (64 * MIB, 256 * MIB, GIB)
@@ -89,27 +89,12 @@ def _register():
 
 # -- helpers
 def _row(name, nbytes, transport, ts, base=None, **extra):
-    med = statistics.median(ts)
-    row = {
-        "name": name,
-        "size_bytes": nbytes,
-        "transport": transport,
-        "seconds": med,
-        "min": min(ts),
-        "max": max(ts),
-        "gbps": nbytes / med / 1e9 if nbytes and med else None,
-        "ratio": base / med if base else None,
-        "reps": len(ts),
-    }
-    row.update(extra)
-    return row
+    return _common.median_row(name, nbytes, transport, ts, base, gbps=True, **extra)
 
 
 def _print(r):
-    size = f"{r['size_bytes'] / MIB:6.0f} MiB" if r["size_bytes"] else "         -"
     ratio = f"  x{r['ratio']:.2f} of baseline" if r.get("ratio") else ""
-    print(f"{r['name']:<16} {size} {r['transport']:<38} median {r['seconds']:8.3f} s "
-          f"(min {r['min']:.3f}, max {r['max']:.3f}, n={r['reps']}){ratio}", flush=True)
+    _common.print_median_row(r, name_width=16, size_width=6, seconds_width=8, tail=ratio)
 
 
 def _timed(fn):
@@ -256,20 +241,7 @@ def run(quick: bool = False, sizes=None, reps: int | None = None, steady: int | 
 
 
 def environment() -> str:
-    import jax
-
-    try:
-        import ray
-
-        ray_v = ray.__version__
-    except ImportError:
-        ray_v = "-"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
-    return (f"python {platform.python_version()}, jax {jax.__version__}, ray {ray_v}, numpy "
-            f"{np.__version__}, {cores} cores, {platform.release()}")
+    return _common.versions_line(ray=True)
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -314,14 +286,8 @@ def main(argv=None) -> None:
         sizes = tuple(s for s in SIZES if s <= args.max_mib * MIB) or (args.max_mib * MIB,)
     rows = run(quick=args.quick, sizes=sizes, reps=args.reps, steady=args.steady,
                baseline_max=args.baseline_max_mib * MIB if args.baseline_max_mib else None)
-    print("\ntargets:")
-    for line in check_targets(rows):
-        print("  " + line)
+    _common.print_targets(check_targets(rows))
 
 
 if __name__ == "__main__":
-    # Run the importable module (workers import task bodies from benchmarks.first_call).
-    import importlib
-
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.exit(importlib.import_module("benchmarks.first_call").main())
+    sys.exit(_common.main_of_module("benchmarks.first_call", cpu=True))

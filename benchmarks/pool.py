@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from . import _common
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -67,18 +69,6 @@ def _spread(ts):
     return (max(ts) - min(ts)) / 2 if len(ts) > 1 else 0.0
 
 
-def _timed(fn, reps, warmup=1):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        gc.collect()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return ts
-
-
 def _reps(nbytes, baseline=False):
     if nbytes >= 256 * MIB:
         return 2 if baseline else 3
@@ -91,17 +81,14 @@ def memcpy_seconds(nbytes, reps=7):
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     np.copyto(dst, src)
-    return _median(_timed(lambda: np.copyto(dst, src), reps))
+    return _median(_common.timed(lambda: np.copyto(dst, src), reps))
 
 
 def environment() -> dict:
     import cloudpickle
     import jax
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
+    cores = _common.usable_cores()
     mem = "?"
     try:
         with open("/proc/meminfo") as f:
@@ -181,11 +168,11 @@ def bench_transfers(sizes, baselines_up_to, rows):
                 t0 = time.perf_counter()
                 jt_fn()  # the first transfer of this size: new segments, first touch
                 first = time.perf_counter() - t0
-                jts = _timed(jt_fn, _reps(nbytes), warmup=1)
+                jts = _common.timed(jt_fn, _reps(nbytes), warmup=1)
                 base = None
                 if nbytes <= baselines_up_to:
-                    mps = _timed(mp_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
-                    exs = _timed(ex_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
+                    mps = _common.timed(mp_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
+                    exs = _common.timed(ex_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
                     base = _median(mps)
                     rows.append(_row(direction, nbytes, "multiprocessing.Pool", mps, memcpy=mem))
                     _print_row(rows[-1])
@@ -224,8 +211,8 @@ def bench_steady(sizes, rows, loops=15):
                 fn()
                 ts, mems = [], []
                 for _ in range(loops):
-                    mems.extend(_timed(lambda: np.copyto(dst, src), 1, warmup=0))
-                    ts.extend(_timed(fn, 1, warmup=0))
+                    mems.extend(_common.timed(lambda: np.copyto(dst, src), 1, warmup=0))
+                    ts.extend(_common.timed(fn, 1, warmup=0))
                 row = _row(direction, nbytes, "jaxtransport.Pool", ts, memcpy=_median(mems))
                 row["vs_memcpy"] = _median([t / m for t, m in zip(ts, mems)])
                 rows.append(row)
@@ -254,7 +241,7 @@ def bench_tiny(rows, n=10_000):
             for k in range(reps):
                 pair = ((mts, mfn), (jts, jfn)) if k % 2 == 0 else ((jts, jfn), (mts, mfn))
                 for out, fn in pair:
-                    out.extend(_timed(fn, 1, warmup=0))
+                    out.extend(_common.timed(fn, 1, warmup=0))
             rows.append(_row(name, 0, "multiprocessing.Pool", mts, tasks=n))
             _print_row(rows[-1])
             rows.append(_row(name, 0, "jaxtransport.Pool", jts, base=_median(mts), tasks=n))
@@ -383,7 +370,7 @@ def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
                 shared.release()
                 return out
 
-            ts = _timed(once, reps, warmup=2)
+            ts = _common.timed(once, reps, warmup=2)
         sec = _median(ts)
         if one is None:
             one = sec
@@ -492,14 +479,7 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown benchmark group(s) {unknown}; choose from {GROUPS}")
     rows = run(quick=args.quick, max_bytes=args.max_mib * MIB if args.max_mib else None, only=only)
-    print("\ntargets:")
-    for text in check_targets(rows):
-        print("  " + text)
+    _common.print_targets(check_targets(rows))
 
 if __name__ == "__main__":
-    # Run the importable module's functions, not this __main__ copy's: functions defined in
-    # __main__ travel by value (cloudpickle) on every task, which would measure cloudpickle
-    # rather than the transport (multiprocessing.Pool pickles them by reference).
-    import importlib
-
-    sys.exit(importlib.import_module("benchmarks.pool").main())
+    sys.exit(_common.main_of_module("benchmarks.pool"))

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from . import _common
+
 MIB, GIB = 1 << 20, 1 << 30
 STOCK, REGISTERED, JT, TORCH = ("multiprocessing", "multiprocessing+register", "jaxtransport.multiprocessing",
                                 "torch.multiprocessing")
@@ -41,43 +43,36 @@ def consume_jax(kind, chan, ack, register):
         import jaxtransport as jt
 
         jt.register()
+
+    def arrived(x):
+        jax.block_until_ready(x)
+        return x.shape
+
+    _serve(kind, chan, ack, arrived)
+
+
+def consume_torch(kind, chan, ack):
+    def arrived(t):
+        float(t[-1])  # the data is there
+        return tuple(t.shape)
+
+    _serve(kind, chan, ack, arrived)
+
+
+def _serve(kind, chan, ack, arrived):
+    """Take messages from ``chan`` (a queue, or a pipe's end) until None; ``arrived(x)`` waits
+    for a message's data and returns its shape, which goes back on ``ack`` (the queue's answer
+    queue, or the same pipe) once the message is dropped."""
     while True:
         x = chan.get() if kind == "queue" else chan.recv()
         if x is None:
             return
-        jax.block_until_ready(x)
-        shape = x.shape
+        shape = arrived(x)
         del x
         if kind == "queue":
             ack.put(shape)
         else:
             chan.send(shape)
-
-
-def consume_torch(kind, chan, ack):
-    while True:
-        t = chan.get() if kind == "queue" else chan.recv()
-        if t is None:
-            return
-        float(t[-1])  # the data is there
-        shape = tuple(t.shape)
-        del t
-        if kind == "queue":
-            ack.put(shape)
-        else:
-            chan.send(shape)
-
-
-def _timed(fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return ts
 
 
 def _reps(nbytes, slow):
@@ -91,7 +86,7 @@ def _reps(nbytes, slow):
 def _memcpy(nbytes):
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
     np.copyto(dst, src)
-    return statistics.median(_timed(lambda: np.copyto(dst, src), 5, 0))
+    return statistics.median(_common.timed(lambda: np.copyto(dst, src), 5, 0))
 
 
 class _Endpoint:
@@ -272,12 +267,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.multiprocessing baseline")
     args = ap.parse_args(argv)
     rows = run(quick=args.quick, max_bytes=args.max_mib * MIB if args.max_mib else None, torch=not args.no_torch)
-    print("\ntargets:")
-    for text in check_targets(rows):
-        print("  " + text)
+    _common.print_targets(check_targets(rows))
 
 
 if __name__ == "__main__":
-    import importlib
-
-    sys.exit(importlib.import_module("benchmarks.queue").main())
+    sys.exit(_common.main_of_module("benchmarks.queue"))

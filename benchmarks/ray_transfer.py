@@ -112,7 +112,6 @@ def run(
 ) -> list[dict]:
     """Measure and return one row per (name, size, transport). Starts and stops its own Ray."""
     import jax
-    import numpy as np
     import ray
 
     import jaxtransport.ray as jr

@@ -33,13 +33,14 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from . import _common
 
 MIB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,19 +158,12 @@ def _probe(name: str, kind: str, size: int) -> dict:
 
 # -- the run
 def _row(name, size, transport, ts, base=None, **extra):
-    med = statistics.median(ts)
-    row = {"name": name, "size_bytes": size, "transport": transport, "seconds": med, "min": min(ts),
-           "max": max(ts), "ratio": base / med if base else None, "vs_baseline": med / base if base else None,
-           "reps": len(ts)}
-    row.update(extra)
-    return row
+    return _common.median_row(name, size, transport, ts, base, inverse=True, **extra)
 
 
 def _print(r):
-    size = f"{r['size_bytes'] / MIB:5.0f} MiB" if r["size_bytes"] else "        -"
     vs = f"  {r['vs_baseline']:.2f}x baseline" if r.get("vs_baseline") else ""
-    print(f"{r['name']:<26} {size} {r['transport']:<38} median {r['seconds']:7.3f} s "
-          f"(min {r['min']:.3f}, max {r['max']:.3f}, n={r['reps']}){vs}", flush=True)
+    _common.print_median_row(r, name_width=26, size_width=5, seconds_width=7, tail=vs)
 
 
 def run(quick: bool = False, reps: int | None = None, size: int | None = None) -> list[dict]:
@@ -205,14 +199,7 @@ def run(quick: bool = False, reps: int | None = None, size: int | None = None) -
 
 
 def environment() -> str:
-    import jax
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
-    return (f"python {platform.python_version()}, jax {jax.__version__}, numpy {np.__version__}, "
-            f"{cores} cores, {platform.release()}")
+    return _common.versions_line()
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -242,14 +229,8 @@ def main(argv=None) -> None:
     ap.add_argument("--size-mib", type=int, default=None, help="the large array's size (default 256)")
     args = ap.parse_args(argv)
     rows = run(quick=args.quick, reps=args.reps, size=args.size_mib * MIB if args.size_mib else None)
-    print("\ntargets:")
-    for line in check_targets(rows):
-        print("  " + line)
+    _common.print_targets(check_targets(rows))
 
 
 if __name__ == "__main__":
-    # Run the importable module (workers import task bodies from benchmarks.startup).
-    import importlib
-
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.exit(importlib.import_module("benchmarks.startup").main())
+    sys.exit(_common.main_of_module("benchmarks.startup", cpu=True))

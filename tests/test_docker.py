@@ -122,7 +122,7 @@ def test_compose_runs_the_demo_against_the_cluster():
     # The head's port is the one the workers and the demo connect to.
     assert "--port=6379" in services["ray-head"]["command"]
     # The demo's flags parse with the demo's own parser.
-    from jaxtransport.rollouts import _parser
+    from jaxtransport.rollouts._cli import build_parser
 
-    args = _parser().parse_args(shlex.split(command.split("jaxtransport.rollouts", 1)[1]))
+    args = build_parser().parse_args(shlex.split(command.split("jaxtransport.rollouts", 1)[1]))
     assert args.backend == "ray" and args.address == "ray-head:6379" and args.compare

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxtransport.rollouts import _backends as backends
+from jaxtransport.rollouts._cli import build_parser
 from jaxtransport.rollouts import _env as env
 from jaxtransport.rollouts import _policy as policy
 from jaxtransport.rollouts import _worker as worker
@@ -435,7 +436,7 @@ def _printed_returns(text: str) -> list[str]:
 def _inline_returns() -> list[str]:
     """The TINY configuration's per-iteration returns, run in this process, formatted as the
     demo prints them."""
-    args = rollouts._parser().parse_args(TINY)
+    args = build_parser().parse_args(TINY)
     cfg = rollouts.Config(iterations=args.iterations, envs=args.envs, steps=args.steps,
                           frame_size=args.frame_size, param_mb=args.param_mb,
                           hidden=args.hidden, warmup=args.warmup)

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
-from ._queues import _check_options, _wait_readable
+from ._sockets import check_options, socket_from, socketpair, take_packet, wait_readable
 
 __all__ = ["Connection", "Pipe"]
 
@@ -40,7 +40,7 @@ class Connection:
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
         placement: str = "device",
     ):
-        _check_options(shm_threshold, placement)
+        check_options(shm_threshold, placement)
         if not (readable or writable):
             raise ValueError("at least one of readable and writable must be True")
         self._sock: socket.socket | None = sock
@@ -127,13 +127,8 @@ class Connection:
         sock = self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
-        while True:
-            _wait_readable(sock, None)
-            try:
-                packet, fds = _sharing.recv_packet(sock, nowait=True)
-            except BlockingIOError:
-                continue
-            return _sharing.decode(packet, fds, self._placement, raw=raw)
+        packet, fds = take_packet(sock, True, None)
+        return _sharing.decode(packet, fds, self._placement, raw=raw)
 
     def recv(self) -> Any:
         """The next object sent from the other end (blocks). EOFError once the other end is
@@ -172,7 +167,7 @@ class Connection:
         sock = self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
-        return _wait_readable(sock, None if timeout is None else time.monotonic() + max(timeout, 0))
+        return wait_readable(sock, None if timeout is None else time.monotonic() + max(timeout, 0))
 
     def __repr__(self) -> str:
         state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
@@ -215,9 +210,7 @@ class _Bytes:
 
 
 def _rebuild_connection(df: Any, readable: bool, writable: bool, threshold: int, placement: str) -> Connection:
-    return Connection(
-        socket.socket(fileno=df.detach()), readable, writable, shm_threshold=threshold, placement=placement
-    )
+    return Connection(socket_from(df), readable, writable, shm_threshold=threshold, placement=placement)
 
 
 def Pipe(
@@ -225,8 +218,8 @@ def Pipe(
 ) -> tuple[Connection, Connection]:
     """``(conn1, conn2)`` as ``multiprocessing.Pipe``: both ends send and receive when ``duplex``,
     else ``conn1`` only receives and ``conn2`` only sends. Arrays as in :class:`Queue`."""
-    _check_options(shm_threshold, placement)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    check_options(shm_threshold, placement)
+    a, b = socketpair()
     if duplex:
         return (
             Connection(a, shm_threshold=shm_threshold, placement=placement),

@@ -4,34 +4,19 @@ from the same start method."""
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.process
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._procenv import fork_refused
+from . import _connection, _queues
+from ._methods import available_methods, check_method, default_method, set_default_method, std_context
 
 if TYPE_CHECKING:
     from multiprocessing.managers import SyncManager
 
     from .. import pool as _pool
-    from . import _connection, _queues
 
 __all__ = ["Process", "get_all_start_methods", "get_context", "get_start_method", "set_start_method"]
-
-_METHODS = ("spawn", "forkserver")
-
-
-def _check_method(method: str | None, what: str) -> str:
-    if method is None:
-        return "spawn"
-    if method == "fork":
-        raise ValueError(fork_refused(what, "method"))
-    if method not in _METHODS:
-        raise ValueError(f"{what}: start method must be 'spawn' or 'forkserver', got {method!r}")
-    if method not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"{what}: start method {method!r} is not available on this platform")
-    return method
 
 
 class JaxContext:
@@ -41,7 +26,7 @@ class JaxContext:
 
     def __init__(self, method: str):
         self._name = method
-        self._ctx = multiprocessing.get_context(method)
+        self._ctx = std_context(method)
 
     def get_context(self, method: str | None = None) -> JaxContext:
         if method is None:
@@ -56,24 +41,16 @@ class JaxContext:
         return self._ctx.Process  # type: ignore[attr-defined]
 
     def Queue(self, maxsize: int = 0, **kw: Any) -> _queues.Queue:
-        from ._queues import Queue
-
-        return Queue(maxsize, ctx=self._ctx, **kw)
+        return _queues.Queue(maxsize, ctx=self._ctx, **kw)
 
     def JoinableQueue(self, maxsize: int = 0, **kw: Any) -> _queues.JoinableQueue:
-        from ._queues import JoinableQueue
-
-        return JoinableQueue(maxsize, ctx=self._ctx, **kw)
+        return _queues.JoinableQueue(maxsize, ctx=self._ctx, **kw)
 
     def SimpleQueue(self, **kw: Any) -> _queues.SimpleQueue:
-        from ._queues import SimpleQueue
-
-        return SimpleQueue(ctx=self._ctx, **kw)
+        return _queues.SimpleQueue(ctx=self._ctx, **kw)
 
     def Pipe(self, duplex: bool = True, **kw: Any) -> tuple[_connection.Connection, _connection.Connection]:
-        from ._connection import Pipe
-
-        return Pipe(duplex, **kw)
+        return _connection.Pipe(duplex, **kw)
 
     def Pool(
         self,
@@ -112,38 +89,27 @@ def get_context(method: str | None = None) -> JaxContext:
     """The context of ``method`` ("spawn" or "forkserver"; None: the default, see
     ``set_start_method``). "fork" is refused: JAX's threads do not survive fork()."""
     if method is None:
-        return _default.get_context()
-    method = _check_method(method, "jaxtransport.multiprocessing.get_context")
+        method = default_method()
+    else:
+        method = check_method(method, "jaxtransport.multiprocessing.get_context")
     ctx = _contexts.get(method)
     if ctx is None:
         ctx = _contexts[method] = JaxContext(method)
     return ctx
 
 
-class _Default:
-    def __init__(self) -> None:
-        self.method = "spawn"
-
-    def get_context(self) -> JaxContext:
-        return get_context(self.method)
-
-
-_default = _Default()
-
-
 def set_start_method(method: str, force: bool = False) -> None:
     """The start method of this module's top-level ``Process``, queues and ``Pool`` ("spawn",
     the default, or "forkserver"). Independent of ``multiprocessing.set_start_method``."""
-    method = _check_method(method, "jaxtransport.multiprocessing.set_start_method")
-    _default.method = method
+    set_default_method(check_method(method, "jaxtransport.multiprocessing.set_start_method"))
 
 
 def get_start_method(allow_none: bool = False) -> str:
-    return _default.method
+    return default_method()
 
 
 def get_all_start_methods() -> list[str]:
-    return [m for m in _METHODS if m in multiprocessing.get_all_start_methods()]
+    return available_methods()
 
 
 class Process(multiprocessing.process.BaseProcess):
@@ -154,8 +120,8 @@ class Process(multiprocessing.process.BaseProcess):
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
-        return _default.get_context().Process._Popen(process_obj)  # type: ignore[attr-defined]
+        return get_context().Process._Popen(process_obj)  # type: ignore[attr-defined]
 
     @staticmethod
     def _after_fork() -> Any:
-        return _default.get_context().Process._after_fork()  # type: ignore[attr-defined]
+        return get_context().Process._after_fork()  # type: ignore[attr-defined]

@@ -19,8 +19,6 @@ from __future__ import annotations
 import collections
 import os
 import queue as _queue
-import select
-import socket
 import threading
 import time
 import weakref
@@ -29,53 +27,12 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import util as _util
 from typing import Any
 
-from .. import _nojax
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
+from ._methods import std_context
+from ._sockets import check_options, socket_from, socketpair, take_packet, wait_readable
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
-
-
-def _check_options(shm_threshold: Any, placement: Any) -> None:
-    if not isinstance(shm_threshold, int) or isinstance(shm_threshold, bool) or shm_threshold < 0:
-        raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
-    _nojax.check_placement(placement)
-
-
-def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:
-    while True:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            r, _, _ = select.select([sock], [], [], left)
-        except InterruptedError:
-            continue
-        return bool(r)
-
-
-def _get(reader: socket.socket, block: bool, timeout: float | None, placement: str) -> Any:
-    """Take one message (waiting as block/timeout say) and rebuild it; ``queue.Empty`` if none."""
-    if timeout is not None and timeout < 0:
-        raise ValueError("'timeout' must be a non-negative number")
-    deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block and timeout else 0.0)
-    while True:
-        if not _wait_readable(reader, deadline):
-            raise _queue.Empty
-        try:
-            packet, fds = _sharing.recv_packet(reader, nowait=True)
-        except BlockingIOError:  # another consumer took it
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _queue.Empty from None
-            continue
-        return packet, fds
-
-
-def _new_socketpair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    return a, b
-
-
-def _sock_from(df: Any) -> socket.socket:
-    return socket.socket(fileno=df.detach())
 
 
 class Queue:
@@ -104,17 +61,15 @@ class Queue:
     ) -> None:
         from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]
 
-        _check_options(shm_threshold, placement)
+        check_options(shm_threshold, placement)
         if ctx is None:
-            from ._context import _default
-
-            ctx = _default.get_context()
+            ctx = std_context()
         if maxsize <= 0:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
         self._threshold = shm_threshold
         self._placement = placement
-        self._writer, self._reader = _new_socketpair()
+        self._writer, self._reader = socketpair()
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._opid = os.getpid()
         self._reset()
@@ -134,7 +89,7 @@ class Queue:
 
     def __setstate__(self, state: tuple) -> None:
         (self._maxsize, self._threshold, self._placement, w, r, self._sem, self._opid) = state
-        self._writer, self._reader = _sock_from(w), _sock_from(r)
+        self._writer, self._reader = socket_from(w), socket_from(r)
         self._reset()
 
     def _reset(self) -> None:
@@ -197,7 +152,7 @@ class Queue:
         rebuilt (corrupt, or its memory is gone); that message is lost, later ones are not."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        packet, fds = _get(self._reader, block, timeout, self._placement)
+        packet, fds = take_packet(self._reader, block, timeout)
         self._sem.release()
         return _sharing.decode(packet, fds, self._placement)
 
@@ -208,7 +163,7 @@ class Queue:
         return self._maxsize - self._sem.get_value()
 
     def empty(self) -> bool:
-        return not _wait_readable(self._reader, time.monotonic())
+        return not wait_readable(self._reader, time.monotonic())
 
     def full(self) -> bool:
         return self._sem.get_value() == 0
@@ -308,9 +263,7 @@ class JoinableQueue(Queue):
         placement: str = "device",
     ) -> None:
         if ctx is None:
-            from ._context import _default
-
-            ctx = _default.get_context()
+            ctx = std_context()
         super().__init__(maxsize, ctx=ctx, shm_threshold=shm_threshold, placement=placement)
         self._unfinished_tasks = ctx.Semaphore(0)
         self._cond = ctx.Condition()
@@ -350,10 +303,10 @@ class SimpleQueue:
     def __init__(
         self, *, ctx: Any = None, shm_threshold: int = DEFAULT_SHM_THRESHOLD, placement: str = "device"
     ) -> None:
-        _check_options(shm_threshold, placement)
+        check_options(shm_threshold, placement)
         self._threshold = shm_threshold
         self._placement = placement
-        self._writer, self._reader = _new_socketpair()
+        self._writer, self._reader = socketpair()
         self._closed = False
 
     def __getstate__(self) -> tuple:
@@ -367,7 +320,7 @@ class SimpleQueue:
 
     def __setstate__(self, state: tuple) -> None:
         self._threshold, self._placement, w, r = state
-        self._writer, self._reader = _sock_from(w), _sock_from(r)
+        self._writer, self._reader = socket_from(w), socket_from(r)
         self._closed = False
 
     def put(self, obj: Any) -> None:
@@ -384,11 +337,11 @@ class SimpleQueue:
     def get(self) -> Any:
         if self._closed:
             raise ValueError("SimpleQueue is closed")
-        packet, fds = _get(self._reader, True, None, self._placement)
+        packet, fds = take_packet(self._reader, True, None)
         return _sharing.decode(packet, fds, self._placement)
 
     def empty(self) -> bool:
-        return not _wait_readable(self._reader, time.monotonic())
+        return not wait_readable(self._reader, time.monotonic())
 
     def close(self) -> None:
         if not self._closed:

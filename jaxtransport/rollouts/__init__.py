@@ -23,18 +23,18 @@ case processes exist for), acts with a small convolutional policy, and sends sta
 ``--backend threads`` runs the same actors as threads with ``queue.Queue`` (the
 cleanba/Sebulba design), the baseline ``benchmarks/rollouts_atari.py`` compares with.
 
-The parts live in private modules: ``_env`` (CartPole and its renderer),
+The parts live in private modules: ``_cli`` (the loop and the command line), ``_config`` (the
+run's configuration and measurements), ``_env`` (CartPole and its renderer),
 ``_policy`` (tile-coded MLP, REINFORCE, Adam), ``_worker`` (the jitted
 rollout and learner step), ``_atari`` (ALE environments, the actor) and ``_conv`` (the Atari
 policy and learner step), ``_backends`` (Pool / Ray / streaming queue, jaxtransport / stock;
 threads) and ``_report`` (progress bar and tables).
 """
 
-from ._cli import Config as Config
-from ._cli import IterationStats as IterationStats
-from ._cli import RunResult as RunResult
-from ._cli import _parser as _parser
 from ._cli import main as main
 from ._cli import train as train
+from ._config import Config as Config
+from ._config import IterationStats as IterationStats
+from ._config import RunResult as RunResult
 
 __all__ = ["Config", "IterationStats", "RunResult", "main", "train"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
-if TYPE_CHECKING:
-    from ._cli import Config, IterationStats, RunResult
+from ._config import Config, IterationStats, RunResult, run_label
 
 MiB = 1 << 20
 
@@ -125,7 +124,7 @@ def table_rows(runs: Sequence[RunResult]) -> list[list[str]]:
         tail = r.returns[-3:]
         rows.append(
             [
-                r.backend if r.backend == "threads" else f"{r.backend}/{r.transport}",
+                run_label(r.backend, r.transport),
                 f"{r.steps_per_s:,.0f}",
                 f"{r.total('bytes_moved') / n / MiB:.1f}",
                 f"{r.total('transport_s') / n:.3f}",

@@ -1,0 +1,64 @@
+"""The socket ends that ``Queue``, ``SimpleQueue`` and ``Pipe`` share: checking their options,
+making and inheriting a ``SOCK_SEQPACKET`` pair, and waiting for and taking one packet (the
+packet's format and its fds: Note [queue messages] in ``_sharing``)."""
+
+from __future__ import annotations
+
+import queue
+import select
+import socket
+import time
+from typing import Any
+
+from .. import _nojax
+from . import _sharing
+
+__all__ = ["check_options", "socket_from", "socketpair", "take_packet", "wait_readable"]
+
+
+def check_options(shm_threshold: Any, placement: Any) -> None:
+    """ValueError unless ``shm_threshold`` is a non-negative int and ``placement`` a placement."""
+    if not isinstance(shm_threshold, int) or isinstance(shm_threshold, bool) or shm_threshold < 0:
+        raise ValueError(f"shm_threshold must be a non-negative int (bytes), got {shm_threshold!r}")
+    _nojax.check_placement(placement)
+
+
+def wait_readable(sock: socket.socket, deadline: float | None) -> bool:
+    """Whether ``sock`` has a packet (or EOF) before ``deadline`` (``time.monotonic()``; None:
+    wait for ever)."""
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            r, _, _ = select.select([sock], [], [], left)
+        except InterruptedError:
+            continue
+        return bool(r)
+
+
+def take_packet(reader: socket.socket, block: bool, timeout: float | None) -> tuple[bytes, list[int]]:
+    """Take one packet and its fds (waiting as ``block``/``timeout`` say, as ``Queue.get``);
+    ``queue.Empty`` if none came. Several processes may take from one socket: a packet another
+    one took first is waited past. Nothing is rebuilt here (``_sharing.decode`` does that)."""
+    if timeout is not None and timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")
+    deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block and timeout else 0.0)
+    while True:
+        if not wait_readable(reader, deadline):
+            raise queue.Empty
+        try:
+            return _sharing.recv_packet(reader, nowait=True)
+        except BlockingIOError:  # another consumer took it
+            if deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty from None
+            continue
+
+
+def socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix ``SOCK_SEQPACKET`` sockets (one packet, one message)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return a, b
+
+
+def socket_from(df: Any) -> socket.socket:
+    """The socket of an fd inherited through ``multiprocessing.reduction.DupFd``."""
+    return socket.socket(fileno=df.detach())
