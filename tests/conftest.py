@@ -118,13 +118,12 @@ def no_leaks(request):
     inversions = _lockorder.violations()
     _lockorder.clear()
     assert not inversions, "lock-order inversion during the test:\n" + "\n".join(inversions)
-    # Give finalizers and exiting children a moment, then insist. A full gc.collect() costs
-    # ~0.1 s with JAX, flax and Ray loaded (over a thousand tests: minutes): it runs only when
-    # the first look finds something left.
+    # Give finalizers and exiting children a moment, then insist. (The collection also frees
+    # arrays in reference cycles that still hold a process-wide arena's slots: a later test with
+    # a small shm capacity must not inherit them.)
     import gc
 
-    if shm_entries() - before_shm or (check_children and child_pids() - before_children - _service_pids()):
-        gc.collect()
+    gc.collect()
     leaked_shm: set[str] = set()
 
     def shm_clean():
