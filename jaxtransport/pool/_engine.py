@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _lockorder, _procenv, _shm, _wire
-from .._errors import PoolStateError, PoolTerminatedError, ShmHandleError
+from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
 from .._nojax import first_tracer
 from .._shm import Handle
 from . import _protocol
@@ -220,7 +220,7 @@ class Engine:
             tree, threshold=self.threshold, tree_type=None, locate=lambda: first_tracer((tree, "tree"))
         )
         self.tls.wait_start = None
-        rec.enc = _wire.commit(prep, arena=self.arena, borrower=rec.key, wait=self.wait_for_space)
+        rec.enc = self._commit(prep, rec.key)
         rec.nbytes = sum(h.nbytes for h in rec.enc.handles)
         self.trees.add(rec)
         return rec
@@ -255,8 +255,19 @@ class Engine:
         self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
         self.tls.wait_start = None
-        enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+        enc = self._commit(prep, ("chunk", chunk_id))
         self._enqueue([Chunk(chunk_id, result, index, enc)])
+
+    def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
+        """``_wire.commit`` into the parent's arena, waiting for memory (``wait_for_space``).
+        A pool terminated or broken meanwhile raises its PoolStateError, also when the arena
+        was closed under the waiting caller (it then says closed, which blames memory)."""
+        try:
+            return _wire.commit(prep, arena=self.arena, borrower=borrower, wait=self.wait_for_space)
+        except ShmCapacityError:
+            if self.flags.stopped:
+                self.flags.check_running()
+            raise
 
     def submit_plain(self, preps: list, result) -> None:
         """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
