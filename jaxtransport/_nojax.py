@@ -14,7 +14,7 @@ from typing import Any
 
 from ._errors import PlacementError
 
-__all__ = ["PLACEMENTS", "check_placement", "find_tracer", "jax_loaded"]
+__all__ = ["PLACEMENTS", "check_placement", "find_tracer", "first_tracer", "jax_loaded"]
 
 PLACEMENTS = ("device", "host", "preserve")
 
@@ -45,3 +45,30 @@ def find_tracer(tree: Any, root: str = "") -> tuple[str, Any] | None:
     from ._tracers import find_tracer as find
 
     return find(tree, root)
+
+
+def first_tracer(*pairs: tuple[Any, str]) -> str | None:
+    """The key path of the first Tracer in ``pairs`` (each an object and the name of its root),
+    looking also into a callable's closure cells and defaults; None when there is none (at
+    once while JAX is not imported)."""
+    for obj, root in pairs:
+        found = find_tracer(obj, root)
+        if found is not None:
+            return found[0] or root
+        if callable(obj):  # a closure or defaults holding a tracer: name the captured variable
+            code = getattr(obj, "__code__", None)
+            cells = getattr(obj, "__closure__", None) or ()
+            names = code.co_freevars if code is not None else ()
+            for name, cell in zip(names, cells):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                found = find_tracer(value, f"{root}.<closure {name}>")
+                if found is not None:
+                    return found[0]
+            for i, value in enumerate(getattr(obj, "__defaults__", None) or ()):
+                found = find_tracer(value, f"{root}.__defaults__[{i}]")
+                if found is not None:
+                    return found[0]
+    return None

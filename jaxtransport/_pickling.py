@@ -64,7 +64,9 @@ __all__ = [
     "dumps",
     "is_registered",
     "loads",
+    "override_placement",
     "register",
+    "restore_placement",
     "unregister",
 ]
 
@@ -79,6 +81,16 @@ _registration = Registration(lambda: copyreg.dispatch_table)
 
 def current_placement() -> str:
     return _placement_override.get() or _default_placement
+
+
+def override_placement(placement: str | None) -> contextvars.Token:
+    """Make ``placement`` (None: the process default) the current one in this thread/context
+    until :func:`restore_placement` is called with the token returned (as ``loads`` does)."""
+    return _placement_override.set(placement)
+
+
+def restore_placement(token: contextvars.Token) -> None:
+    _placement_override.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +257,7 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
         from . import _codec
 
         placement = _codec.check_placement(placement)
-    token = _placement_override.set(placement or None)
+    token = override_placement(placement or None)
     try:
         return pickle.loads(data, buffers=buffers)
     except pickle.UnpicklingError as e:
@@ -254,7 +266,7 @@ def loads(data: bytes, buffers: Any = (), *, placement: str | None = None) -> An
             raise missing from e
         raise
     finally:
-        _placement_override.reset(token)
+        restore_placement(token)
 
 
 def _missing_buffers(data: Any, buffers: Any) -> _errors.CorruptTransferError | None:

@@ -54,6 +54,7 @@ __all__ = [
     "Mapper",
     "default_capacity",
     "fd_socketpair",
+    "format_bytes",
     "send_segment",
     "size_class",
 ]
@@ -147,7 +148,8 @@ def default_capacity(share: float = 1.0) -> int:
     return max(int(free_memory() // 2 * share), MIN_CAPACITY)
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes for an error message: ``"512 B"``, ``"1.5 MiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -203,8 +205,8 @@ def populate_method() -> str:
 def _capacity_failure(size: int, why: str | None) -> ShmCapacityError:
     free = free_memory()
     return ShmCapacityError(
-        f"jaxtransport.Pool could not reserve {_fmt(size)} ({size} bytes) of shared "
-        f"memory: the system has about {_fmt(free)} ({free} bytes) free ({why}). "
+        f"jaxtransport.Pool could not reserve {format_bytes(size)} ({size} bytes) of shared "
+        f"memory: the system has about {format_bytes(free)} ({free} bytes) free ({why}). "
         "Fixes: send smaller arrays or fewer at once (drop results you no longer need, "
         "release() SharedTrees), lower shm_capacity or shm_reserve so the pool waits instead, "
         "or give the container more memory (docker --memory / --shm-size)."
@@ -547,9 +549,9 @@ class Arena:
         with self.cond:
             if self.mapped + self._pending + seg_size > self.capacity:
                 raise ShmCapacityError(
-                    f"{what}={nbytes} ({_fmt(nbytes)}) does not fit the shared-memory cap of "
-                    f"{self.label}: shm_capacity={self.capacity} ({_fmt(self.capacity)}); a slot "
-                    f"for it takes {_fmt(seg_size)}. Lower {what} or raise shm_capacity."
+                    f"{what}={nbytes} ({format_bytes(nbytes)}) does not fit the shared-memory cap of "
+                    f"{self.label}: shm_capacity={self.capacity} ({format_bytes(self.capacity)}); a slot "
+                    f"for it takes {format_bytes(seg_size)}. Lower {what} or raise shm_capacity."
                 )
             self._pending += seg_size
             self._pending_cls[cls] += 1
@@ -672,17 +674,20 @@ class Arena:
         held = sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
         if impossible:
             why = (
-                f"a single array of {_fmt(nbytes)} is larger than shm_capacity={self.capacity} ({_fmt(self.capacity)})"
+                f"a single array of {format_bytes(nbytes)} is larger than "
+                f"shm_capacity={self.capacity} ({format_bytes(self.capacity)})"
             )
         else:
             why = (
-                f"shm_capacity={self.capacity} ({_fmt(self.capacity)}) is reached: {_fmt(held)} are held by "
+                f"shm_capacity={self.capacity} ({format_bytes(self.capacity)}) is reached: "
+                f"{format_bytes(held)} are held by "
                 "arrays the receivers still keep alive (results you have not dropped, SharedTrees not "
                 f"released, arrays a worker keeps; holders: {self._holders()}) and no release came in time"
             )
         return ShmCapacityError(
-            f"jaxtransport.Pool could not get {_fmt(nbytes)} ({nbytes} bytes) of shared memory in {self.label}: "
-            f"{why}; {_fmt(self.mapped)} mapped, about {_fmt(free_memory())} free on the system. "
+            f"jaxtransport.Pool could not get {format_bytes(nbytes)} ({nbytes} bytes) of shared memory "
+            f"in {self.label}: "
+            f"{why}; {format_bytes(self.mapped)} mapped, about {format_bytes(free_memory())} free on the system. "
             "Fixes: drop received arrays you no longer need, call SharedTree.release(), raise "
             "Pool(shm_capacity=...), or raise shm_threshold so smaller arrays travel inline."
         )
@@ -697,23 +702,28 @@ class Arena:
                 n[0] += 1
                 n[1] += self._segs[k[0]].cls
         top = sorted(by.items(), key=lambda kv: -kv[1][1])
-        text = ", ".join(f"{name}: {n} slot{'s' * (n != 1)} ({_fmt(b)})" for name, (n, b) in top[:6])
+        text = ", ".join(f"{name}: {n} slot{'s' * (n != 1)} ({format_bytes(b)})" for name, (n, b) in top[:6])
         return text + (f" and {len(top) - 6} more" if len(top) > 6 else "") if top else "none"
 
     # -- reference counting (Note [slot lifetime])
     def _slot(self, handle: Handle) -> _Slot | None:
+        if type(handle) is not Handle:  # a plain tuple, as handles travel
+            try:
+                handle = Handle._make(handle)
+            except TypeError:
+                return None
         try:
-            slot = self._slots.get((handle[0], handle[1]))
-        except (TypeError, IndexError):
+            slot = self._slots.get((handle.seg, handle.offset))
+        except TypeError:
             return None
-        if slot is None or slot.gen != handle[3] or not slot.refs:
+        if slot is None or slot.gen != handle.gen or not slot.refs:
             return None
         return slot
 
     def _free_slot(self, handle: Handle, slot: _Slot) -> None:
-        seg = self._segs[handle[0]]
+        seg = self._segs[handle.seg]
         seg.free_count += 1
-        self._free[seg.cls].append((handle[0], handle[1]))
+        self._free[seg.cls].append((handle.seg, handle.offset))
         self._frees += 1
         self.cond.notify_all()
 
@@ -783,10 +793,10 @@ class Arena:
                     slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
 
     def view(self, handle: Handle) -> tuple[_Seg, int, int]:
-        seg = self._segs.get(handle[0])
+        seg = self._segs.get(handle.seg)
         if seg is None:
-            raise ShmHandleError(f"segment {handle[0]} of {self.label} does not exist (freed or never made)")
-        return seg, handle[1], handle[2]
+            raise ShmHandleError(f"segment {handle.seg} of {self.label} does not exist (freed or never made)")
+        return seg, handle.offset, handle.nbytes
 
     def close(self) -> None:
         """Close every fd and drop every mapping. Memory stays valid for arrays still aliasing it
@@ -868,7 +878,7 @@ class Mapper:
         self.segs: dict[int, _Mapped] = {}
         self.forgotten: set[int] = set()
         self.pending: collections.deque = collections.deque()
-        self.live: dict[int, tuple] = {}  # addr -> handle of a live holder
+        self.live: dict[int, Handle] = {}  # addr -> handle of a live holder
 
     def take_releases(self, limit: int | None = None) -> list:
         """Pop queued releases (at most ``limit``) for the sender. Safe beside another thread
@@ -982,13 +992,13 @@ class Mapper:
             )
         h = (ctypes.c_char * max(nbytes, 1)).from_buffer(m.mm, offset)  # type: ignore[arg-type]
         addr = m.addr + offset
-        self.live[addr] = (seg_id, offset, nbytes, gen)
+        self.live[addr] = Handle(seg_id, offset, nbytes, gen)
         weakref.finalize(h, _on_holder_dead, self.pending, self.live, addr, handle if release is None else release)
         return h
 
-    def find(self, addr: int, nbytes: int) -> tuple | None:
+    def find(self, addr: int, nbytes: int) -> Handle | None:
         h = self.live.get(addr)
-        if h is not None and h[2] == nbytes:
+        if h is not None and h.nbytes == nbytes:
             return h
         return None
 

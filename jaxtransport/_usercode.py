@@ -46,7 +46,7 @@ from typing import Any
 
 from ._pickling import _Pickler
 
-__all__ = ["Pickler", "importable_main_names", "unguarded_start"]
+__all__ = ["Pickler", "code_reduction", "importable_main_names", "registered_by_value", "unguarded_start"]
 
 _MAIN_NAMES = ("__main__", "__mp_main__")
 
@@ -472,3 +472,26 @@ def unguarded_start(what: str) -> str | None:
         f"too and try to start {what} of its own while it starts up; the workers would die before "
         f"they are ready. {_GUARD_FIX}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# cloudpickle's private parts, each probed (``_compat`` holds JAX's and Ray's; these live here,
+# beside the Pickler that already follows cloudpickle's reductions, because a Pool worker pickles
+# without importing JAX, and ``_compat`` imports it). Upstream: cloudpickle/cloudpickle.py.
+
+
+def code_reduction(code: types.CodeType) -> tuple | None:
+    """cloudpickle's reduction of a code object (its private ``_code_reduce``), or None when this
+    cloudpickle has none (the caller then lets cloudpickle reduce the code its own way)."""
+    import cloudpickle
+
+    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # private: probe, else default
+    return None if reduce is None else reduce(code)
+
+
+def registered_by_value() -> bool:
+    """Whether any module is registered with ``cloudpickle.register_pickle_by_value`` (its private
+    ``_PICKLE_BY_VALUE_MODULES``; a cloudpickle without it has no such registration)."""
+    import cloudpickle
+
+    return bool(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", None))

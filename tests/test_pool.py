@@ -490,7 +490,7 @@ if __name__ == "__main__":
 
 def test_main_module_references_are_found_in_any_pickle():
     """The check that sends code referring to ``__main__`` by value (fast path: led by memchr)."""
-    from jaxtransport.pool._wire import _mentions_main
+    from jaxtransport._wire import _mentions_main
 
     assert _mentions_main(b"xx__main__yy") and _mentions_main(b"\x8c\x0b__mp_main__\x94")
     assert not _mentions_main(b"") and not _mentions_main(b"_main_") and not _mentions_main(b"__mai__n")

@@ -18,7 +18,7 @@ import pytest
 
 import jaxtransport as jt
 from jaxtransport.pool import _engine as _pool_engine
-from jaxtransport.pool import _wire as _pool_wire
+from jaxtransport import _wire as _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
 from .conftest import run_python, wait_until

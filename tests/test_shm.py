@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxtransport import _codec, _shm
-from jaxtransport.pool import _wire as _pool_wire
+from jaxtransport import _wire as _pool_wire
 from jaxtransport._errors import ShmCapacityError, ShmHandleError
 
 from .conftest import ROOT

@@ -9,7 +9,7 @@ message nor a held lock behind. The packet is a small pickle::
     (MAGIC, producer, data | None, entries, segs, blob, live, bundled)
 
 - ``producer``: ``(pid, token)`` of the sending process (its slots' owner).
-- ``data``, ``entries``: what ``pool._wire`` made of the object: the pickle and the arrays set
+- ``data``, ``entries``: what ``jaxtransport._wire`` made of the object: the pickle and the arrays set
   aside into slots of the sender's :class:`~jaxtransport._shm.Arena` (the same encoder as the
   Pool, so the same dtypes, weak types, PRNG keys and shardings).
 - ``segs``: the segment id of each fd in the packet, in order.
@@ -322,7 +322,7 @@ def _unbundle(fd: int, count: int) -> list[int]:
 def prepare(obj: Any, threshold: int, root: str):
     """Phase 1, in the caller: pickle ``obj`` with arrays set aside. Raises TracerTransportError
     (with the key path under ``root``) or the pickling error before anything is queued."""
-    from ..pool import _wire
+    from .. import _wire
 
     return _wire.prepare(obj, threshold=threshold, locate=_locate(obj, root))
 
@@ -330,7 +330,7 @@ def prepare(obj: Any, threshold: int, root: str):
 def commit(prep, timeout: float | None = None) -> Outgoing:
     """Phase 2, in the caller: copy the set-aside arrays into this process's shared memory (may
     wait for receivers to release memory, see Producer.waiter) and build the packet."""
-    from ..pool import _wire
+    from .. import _wire
 
     p = producer()
     if _consumer is not None and _consumer.pid == p.pid:
@@ -376,8 +376,8 @@ def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
     slots, taken, nbytes = p.held()
     return ShmCapacityError(
         f"jaxtransport.multiprocessing could not put this message: the shared memory of process "
-        f"{p.pid} is full (shm_capacity={p.arena.capacity} bytes, {_shm._fmt(p.arena.capacity)}) and no "
-        f"receiver released any in time. {slots} slots ({_shm._fmt(nbytes)}) are held: {slots - taken} by "
+        f"{p.pid} is full (shm_capacity={p.arena.capacity} bytes, {_shm.format_bytes(p.arena.capacity)}) and no "
+        f"receiver released any in time. {slots} slots ({_shm.format_bytes(nbytes)}) are held: {slots - taken} by "
         f"messages no process has taken from their queue or pipe yet, {taken} by arrays receivers still "
         "keep alive. The consumer is slower than this producer, stopped, or gone. Fixes: bound the "
         "queue (Queue(maxsize=...)) so that put() waits for the consumer, drop received arrays sooner, "
@@ -576,7 +576,7 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     if len(segs) != len(fds):
         _close_all(fds)
         raise _garbage(f"{len(fds)} fds came with a message naming {len(segs)} segments")
-    from ..pool import _wire
+    from .. import _wire
 
     c = consumer()
     with c.lock:

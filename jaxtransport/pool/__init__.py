@@ -14,7 +14,7 @@ The parts, one concern per module (the public API and what it adds are in ``_fac
      + not consumed)              Manager thread (_manager) <== FrameReader ====== Result/Release/
                                     validates every message (_protocol),           Forget/Ready/..
   result.get() <----------------    completes chunks, replaces dead workers
-                                    (_workers), frees trees (_trees)
+                                    (_processes), frees trees (_trees)
   callbacks  <--- callback thread (_results.CallbackRunner), for results with callbacks
 
 Threads and what they own (parent process unless said):
@@ -70,21 +70,9 @@ backpressure), so the imap feeder may read it under ``space``; user callbacks an
 completion run with no pool lock held. Finalizers take none of them: they append to a deque
 (``Arena.defer_release``, ``TreeBook.queue_release``) that a thread applies later.
 
-Files:
-- ``_facade``    -- the public ``Pool``
-- ``_engine``    -- the ``Engine``: owns the parts, submit/dispatch, fail/finish, shutdown
-- ``_lifecycle`` -- closed/terminated/broken flags under one lock
-- ``_scheduler`` -- pending and in-flight chunks, the pull-based assignment rule
-- ``_workers``   -- worker records, starting and closing a worker process
-- ``_senders``   -- the per-worker sender thread and the non-blocking frame reader
-- ``_manager``   -- the manager loop and one handler per message kind
-- ``_protocol``  -- every message and entry as a named record, and their validation
-- ``_trees``     -- ``SharedTree`` and the lifetime of shared trees
-- ``_wire``      -- pickles with large arrays moved to shared memory (prepare/commit, decode)
-- ``_worker``    -- the worker process's loop
-- ``_claim``     -- a worker's shared cells and the process-shared lock over them
-- ``_results``   -- ``AsyncResult``/``MapResult``/``IMapIterator`` and the callback thread
-- ``_executor``  -- ``Executor``, the ``concurrent.futures`` face over a ``Pool``
+The files, one concern each, are listed once, in the documentation's architecture page
+(``docs/architecture.md``, "jaxtransport/pool/ splits the Pool by concern"); the encoder they
+share with ``jaxtransport.multiprocessing`` is ``jaxtransport._wire``, one layer below.
 """
 
 import importlib

@@ -43,7 +43,7 @@ def new_block(ctx):
     """A block for one worker, made in the parent before the worker starts; pass it to the
     worker as a ``Process`` argument and wrap it with :class:`Cells` on both sides."""
     block = ctx.RawArray("q", _CELLS + _SEM_WORDS)
-    block[STARTED_ID] = -1  # _workers.STARTING until worker_main runs
+    block[STARTED_ID] = -1  # _processes.STARTING until worker_main runs
     lib = _lib()
     block[HAS_LOCK] = int(lib is not None and lib.sem_init(ctypes.addressof(block) + 8 * _CELLS, 1, 1) == 0)
     return block

@@ -1,9 +1,7 @@
 """The engine behind jaxtransport.Pool: it owns the parts and the one lock over their books.
 
-Parts: ``Lifecycle`` (flags), ``Scheduler`` (pending and in-flight chunks), the worker records
-(``_workers``, each with its sender thread), ``TreeBook`` (shared trees), the ``Manager`` thread
-(``_manager``) and a callback thread (``_results.CallbackRunner``). See the package docstring
-for the threads and the lock order. Finalizers never take the engine's lock (see
+Its parts, their threads and the lock order are drawn in the package docstring (Note [pool
+engine]). Finalizers never take the engine's lock (see
 ``TreeBook.queue_release`` and ``terminate_unreferenced``).
 """
 
@@ -18,19 +16,24 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Any
 
-from .. import _lockorder, _procenv, _shm
+from .. import _lockorder, _procenv, _shm, _wire
 from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
+from .._nojax import first_tracer
 from .._shm import Handle
-from . import _protocol, _wire
+from . import _protocol
+from ._initargs import InitCall
 from ._lifecycle import Lifecycle
+from ._manager import Manager
+from ._processes import WorkerRec, close_worker, start_worker
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from ._results import CallbackRunner
 from ._scheduler import Chunk, Scheduler
-from ._trees import TreeBook
-from ._workers import InitCall, WorkerRec, close_worker, start_worker
+from ._trees import TreeBook, TreeRec
+from ._worker import WorkerConfig
 
-MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -76,8 +79,6 @@ class Engine:
         futures: bool = False,
         preload_jax: bool = False,
     ):
-        from ._manager import Manager
-
         self.ctx = multiprocessing.get_context(start_method)
         self.tree_type = tree_type  # SharedTree: what travels as a broadcast handle
         self.start_method = start_method
@@ -148,23 +149,23 @@ class Engine:
 
     def start_worker(self, index: int) -> WorkerRec:
         env = self.worker_environ(index)
-        config = {
-            "parent_pid": os.getpid(),
-            "threshold": self.threshold,
-            "placement": self.placement,
-            "capacity": self.worker_capacity,
-            "futures": self.futures,
-            "maxtasks": self.maxtasks,
-            "grace": CAPACITY_GRACE_S,
-            "reserve": self.results_reserve,
-            "preload_jax": self.preload_jax,
-        }
+        config = WorkerConfig(
+            parent_pid=os.getpid(),
+            threshold=self.threshold,
+            placement=self.placement,
+            capacity=self.worker_capacity,
+            futures=self.futures,
+            maxtasks=self.maxtasks,
+            grace=CAPACITY_GRACE_S,
+            reserve=self.results_reserve,
+            preload_jax=self.preload_jax,
+            env=env,
+        )
         return start_worker(
             self.ctx,
             start_method=self.start_method,
             index=index,
             serial=next(self.serials),
-            env=env,
             config=config,
             maxtasks=self.maxtasks,
             init=self.init_call,
@@ -210,10 +211,41 @@ class Engine:
             return False
         return SPACE_POLL_S
 
-    def function_blob(self, fn):
-        from ._facade import _first_tracer
+    def share(self, tree: Any) -> TreeRec:
+        """``Pool.share``: ``tree`` pickled with its large arrays copied once into the arena,
+        booked as a shared tree (TracerTransportError, with the path under ``tree``, before any
+        memory is taken)."""
+        rec = self.trees.new()
+        prep = _wire.prepare(
+            tree, threshold=self.threshold, tree_type=None, locate=lambda: first_tracer((tree, "tree"))
+        )
+        self.tls.wait_start = None
+        rec.enc = self._commit(prep, rec.key)
+        rec.nbytes = sum(h.nbytes for h in rec.enc.handles)
+        self.trees.add(rec)
+        return rec
 
-        return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: _first_tracer((fn, "func")))
+    # -- imap's backpressure (its feeder threads)
+    def add_imap_feeder(self) -> None:
+        with self.space:
+            self.imap_feeders += 1
+
+    def remove_imap_feeder(self) -> None:
+        with self.space:
+            self.imap_feeders -= 1
+
+    def wait_for_imap_room(self, unconsumed: Callable[[], int]) -> None:
+        """Wait while ``2 * processes + 2`` chunks are in flight or finished and not consumed
+        (``unconsumed()``: the iterator's); raises PoolStateError once the pool has stopped."""
+        limit = 2 * self.processes + 2
+        with self.space:
+            while (self.in_flight() + unconsumed() >= limit) and not self.flags.stopped:
+                self.space.wait(SPACE_POLL_S)
+        if self.flags.stopped:
+            raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+
+    def function_blob(self, fn):
+        return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
     def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
         return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
@@ -223,13 +255,19 @@ class Engine:
         self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
         self.tls.wait_start = None
+        enc = self._commit(prep, ("chunk", chunk_id))
+        self._enqueue([Chunk(chunk_id, result, index, enc)])
+
+    def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
+        """``_wire.commit`` into the parent's arena, waiting for memory (``wait_for_space``).
+        A pool terminated or broken meanwhile raises its PoolStateError, also when the arena
+        was closed under the waiting caller (it then says closed, which blames memory)."""
         try:
-            enc = _wire.commit(prep, arena=self.arena, borrower=("chunk", chunk_id), wait=self.wait_for_space)
+            return _wire.commit(prep, arena=self.arena, borrower=borrower, wait=self.wait_for_space)
         except ShmCapacityError:
-            if self.flags.stopped:  # terminated or broken while waiting: its memory was closed
+            if self.flags.stopped:
                 self.flags.check_running()
             raise
-        self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def submit_plain(self, preps: list, result) -> None:
         """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
@@ -371,8 +409,8 @@ class Engine:
 
     def own_holder(self, handle: Handle):
         """A holder over this process's own slot (a worker sent back one of our arrays)."""
-        seg = self.arena.segment(handle[0])
-        off, nbytes = handle[1], handle[2]
+        seg = self.arena.segment(handle.seg)
+        off, nbytes = handle.offset, handle.nbytes
         if seg is None or seg.mm is None or off + nbytes > seg.size or not self.arena.acquire(handle, "self"):
             raise ShmHandleError(
                 f"Bad shared-memory handle {tuple(handle)!r}: a worker referred to memory of this "

@@ -44,7 +44,7 @@ from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
 from .._nojax import find_tracer
 from ._facade import Pool
-from ._results import AsyncResult
+from ._results import AsyncResult, FuturesResult
 
 __all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
 
@@ -133,7 +133,7 @@ class Executor(concurrent.futures.Executor):
                 raise ValueError("max_tasks_per_child must be >= 1")
         _register_exit()
         self._pool = _FuturesPool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
-        self._max_in_flight = 2 * self._pool._processes
+        self._max_in_flight = 2 * self._pool.processes
         self._lock = _lockorder.lock("Executor._lock")
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Call] = collections.deque()
@@ -300,10 +300,9 @@ class Executor(concurrent.futures.Executor):
             self._finished()
             return True
 
-        result = AsyncResult(self._pool, done, failed)
-        result._fast = fast
+        result = FuturesResult(self._pool, done, failed, fast)
         try:
-            self._pool._submit_apply(call.fn, call.args, call.kwargs, result)
+            self._pool.submit_call(call.fn, call.args, call.kwargs, result)
         except PoolStateError as e:
             if not self._shutdown or self._reusable:
                 self._mark_broken(e)
@@ -343,7 +342,7 @@ class Executor(concurrent.futures.Executor):
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else ("shut down" if self._shutdown else "running")
-        return f"<jaxtransport.Executor {state} max_workers={self._pool._processes}>"
+        return f"<jaxtransport.Executor {state} max_workers={self._pool.processes}>"
 
     def __reduce__(self) -> tuple:
         raise TypeError("a jaxtransport.Executor cannot be pickled or sent to another process")
@@ -355,6 +354,17 @@ class _FuturesPool(Pool):
     MaybeEncodingError; an initializer's error is logged on the ``concurrent.futures`` logger)."""
 
     _futures = True
+
+    @property
+    def processes(self) -> int:
+        """The number of worker processes (``max_workers``)."""
+        return self._processes
+
+    def submit_call(self, fn: Callable, args: tuple, kwargs: dict, result: AsyncResult) -> None:
+        """Send one call completing ``result`` (``Pool.apply_async``'s path, with the result
+        the Executor made: raises here, as ``apply_async`` does, for a Tracer, an argument that
+        does not pickle or a pool that has stopped)."""
+        self._submit_apply(fn, args, kwargs, result)
 
 
 def _pop_result(futures: list, timeout: float | None) -> Any:

@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import _nojax, _procenv, _shm, _usercode
-from .._errors import MainGuardError, PoolStateError, ShmCapacityError
-from .._nojax import find_tracer
-from . import _wire
-from ._engine import SPACE_POLL_S, Engine, terminate_unreferenced
+from .._errors import MainGuardError, PoolStateError
+from .._nojax import find_tracer, first_tracer
+from ._engine import Engine, terminate_unreferenced
 from ._results import AsyncResult, IMapIterator, MapResult
 from ._trees import SharedTree
 
@@ -150,8 +149,8 @@ class Pool:
         for side, n, cap in (("arguments", args_reserve, capacity), ("results", results_reserve, worker_capacity)):
             if n and _shm.size_class(n) > cap:
                 raise ValueError(
-                    f"shm_reserve asks for {n} bytes ({_shm._fmt(n)}) for {side}, more than "
-                    f"shm_capacity={cap} ({_shm._fmt(cap)}) allows per process. Lower "
+                    f"shm_reserve asks for {n} bytes ({_shm.format_bytes(n)}) for {side}, more than "
+                    f"shm_capacity={cap} ({_shm.format_bytes(cap)}) allows per process. Lower "
                     "shm_reserve or raise shm_capacity."
                 )
         self._processes = processes
@@ -208,7 +207,7 @@ class Pool:
         args = tuple(args)
 
         def locate() -> str | None:
-            return _first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
+            return first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
@@ -249,14 +248,14 @@ class Pool:
             try:
                 state.submit_plain(preps, result)
             except BaseException as e:
-                result._chunk_done(0, False, e)
+                result.chunk_done(0, False, e)
                 raise
             return result
         for i, prep in enumerate(preps):
             try:
                 state.submit(prep, result, i)
             except BaseException as e:
-                result._chunk_done(i, False, e)
+                result.chunk_done(i, False, e)
                 raise
         return result
 
@@ -331,20 +330,7 @@ class Pool:
         """
         state = self._state
         state.check_running()
-        rec = state.trees.new()
-        prep = _wire.prepare(
-            tree, threshold=state.threshold, tree_type=None, locate=lambda: _first_tracer((tree, "tree"))
-        )
-        state.tls.wait_start = None
-        try:
-            rec.enc = _wire.commit(prep, arena=state.arena, borrower=rec.key, wait=state.wait_for_space)
-        except ShmCapacityError:
-            if state.flags.stopped:  # terminated or broken while waiting: its memory was closed
-                state.check_running()
-            raise
-        rec.nbytes = sum(h[2] for h in rec.enc.handles)
-        state.trees.add(rec)
-        return SharedTree(state.trees, rec, tree)
+        return SharedTree(state.trees, state.share(tree), tree)
 
     # -- lifecycle
     def close(self) -> None:
@@ -405,53 +391,22 @@ def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunks
 
 
 def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
-    """Submit imap's chunks while fewer than ``2 * processes + 2`` are in flight or finished
-    and not yet consumed (backpressure on both the workers and the results)."""
+    """Submit imap's chunks as the engine makes room for them (``Engine.wait_for_imap_room``:
+    backpressure on both the workers and the results)."""
     index = 0
-    limit = 2 * state.processes + 2
-    with state.space:
-        state.imap_feeders += 1
+    state.add_imap_feeder()
     try:
         for prep in preps:
-            with state.space:
-                while (state.in_flight() + it._unconsumed() >= limit) and not state.flags.stopped:
-                    state.space.wait(SPACE_POLL_S)
-            if state.flags.stopped:
-                raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+            state.wait_for_imap_room(it.unconsumed)
             state.submit(prep, it, index)
             index += 1
             del prep
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
-        it._chunk_done(index, False, e)
+        it.chunk_done(index, False, e)
         index += 1
     finally:
-        with state.space:
-            state.imap_feeders -= 1
-    it._set_length(index)
-
-
-def _first_tracer(*pairs: tuple[Any, str]) -> str | None:
-    for obj, root in pairs:
-        found = find_tracer(obj, root)
-        if found is not None:
-            return found[0] or root
-        if callable(obj):  # a closure or defaults holding a tracer: name the captured variable
-            code = getattr(obj, "__code__", None)
-            cells = getattr(obj, "__closure__", None) or ()
-            names = code.co_freevars if code is not None else ()
-            for name, cell in zip(names, cells):
-                try:
-                    value = cell.cell_contents
-                except ValueError:
-                    continue
-                found = find_tracer(value, f"{root}.<closure {name}>")
-                if found is not None:
-                    return found[0]
-            for i, value in enumerate(getattr(obj, "__defaults__", None) or ()):
-                found = find_tracer(value, f"{root}.__defaults__[{i}]")
-                if found is not None:
-                    return found[0]
-    return None
+        state.remove_imap_feeder()
+    it.set_length(index)
 
 
 def _locator(func: Callable, part: Any, start: int) -> Callable[[], str | None]:
@@ -460,6 +415,6 @@ def _locator(func: Callable, part: Any, start: int) -> Callable[[], str | None]:
             found = find_tracer(item, f"iterable[{start + j}]")
             if found is not None:
                 return found[0]
-        return _first_tracer((func, "func"))
+        return first_tracer((func, "func"))
 
     return locate

@@ -7,6 +7,8 @@ from __future__ import annotations
 from .. import _lockorder
 from .._errors import PoolStateError
 
+MAX_EARLY_DEATHS = 3  # consecutive workers dying before they are ready -> the pool is broken
+
 
 class Lifecycle:
     def __init__(self):

@@ -18,14 +18,17 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from .. import _shm
+from .. import _shm, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
-from . import _protocol, _wire
-from ._engine import MAX_EARLY_DEATHS, Engine
+from . import _protocol
+from ._lifecycle import MAX_EARLY_DEATHS
+from ._processes import WorkerRec, close_worker, diagnose_start, signal_name
 from ._protocol import RELEASE_FLUSH_S
-from ._workers import WorkerRec, close_worker, diagnose_start, signal_name
+
+if TYPE_CHECKING:  # the Engine owns the Manager; only its type is named here
+    from ._engine import Engine
 
 INIT_EXIT_GRACE_S = 2.0  # how long a worker whose initializer failed may take to exit by itself
 

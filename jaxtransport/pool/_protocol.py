@@ -18,11 +18,12 @@ parent -> worker                                  worker -> parent
 Which task a worker is running is not a message: it writes the chunk id into a shared cell
 before it starts a chunk (Note [started] in ``_worker``), which the parent reads when it dies.
 
-Entries (what a pickle's ``_entry(k)`` stands for) are records too: ``NpEntry``, ``JaxEntry``,
-``RefEntry`` (a slot of the receiver's own arena) and ``TreeEntry``; a shared-memory handle is
-:class:`~jaxtransport._shm.Handle`. A failed task's error travels as an ``ErrorReport``: the
-pickled exception and, separately, its class name, message and formatted traceback, so the
-receiver can still say what happened when the exception itself does not unpickle there.
+Entries (what a pickle's ``_entry(k)`` stands for) are the records of ``jaxtransport._entries``,
+shared with ``jaxtransport.multiprocessing``; a shared-memory handle is
+:class:`~jaxtransport._shm.Handle`. A message's kind is ``KIND_OF[type(msg)]``. A failed
+task's error travels as an ``ErrorReport``: the pickled exception and, separately, its class
+name, message and formatted traceback, so the receiver can still say what happened when the
+exception itself does not unpickle there.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ from __future__ import annotations
 import pickle
 from typing import Any, NamedTuple
 
-from .._errors import CorruptTransferError, ShmHandleError
+from .._entries import as_int as _int
+from .._entries import as_seq as _seq
+from .._entries import corrupt as _bad
+from .._entries import parse_handles
+from .._errors import ShmHandleError
 from .._pickling import PICKLE_PROTOCOL
-from .._shm import Handle
 
 __all__ = [
     "CAPACITY_GRACE_S",
+    "KIND_OF",
     "RELEASE_FLUSH_S",
     "TO_PARENT",
     "TO_WORKER",
@@ -44,35 +49,19 @@ __all__ = [
     "ErrorReport",
     "Forget",
     "Garbled",
-    "JaxEntry",
     "Leaving",
-    "NpEntry",
     "Ready",
-    "RefEntry",
     "Release",
     "Result",
     "Stop",
     "Task",
-    "TreeEntry",
     "dumps",
     "loads",
-    "parse_entry",
-    "parse_handles",
 ]
 
 # Timing both ends of the pipe share.
 RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
 CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
-
-
-def _bad(what: str) -> CorruptTransferError:
-    return CorruptTransferError(f"Corrupt pool message: {what}")
-
-
-def _int(v: Any, what: str) -> int:
-    if type(v) is not int:
-        raise _bad(f"{what} must be an int, got {type(v).__name__}")
-    return v
 
 
 def _bytes(v: Any, what: str) -> bytes | bytearray | memoryview:
@@ -81,89 +70,8 @@ def _bytes(v: Any, what: str) -> bytes | bytearray | memoryview:
     return v
 
 
-def _seq(v: Any, what: str) -> tuple | list:
-    if not isinstance(v, (tuple, list)):
-        raise _bad(f"{what} must be a list, got {type(v).__name__}")
-    return v
-
-
-def parse_handles(v: Any, what: str = "releases") -> list[Handle]:
-    """A list of handles, each validated (see ``Handle.parse``)."""
-    return [Handle.parse(h, what) for h in _seq(v, what)]
-
-
 def _ints(v: Any, what: str) -> list[int]:
     return [_int(x, what) for x in _seq(v, what)]
-
-
-# --------------------------------------------------------------------------------------------
-# entries
-
-
-class NpEntry(NamedTuple):
-    """A numpy array of ``dtype``/``shape`` in the sender's slot ``handle``."""
-
-    dtype: Any
-    shape: tuple
-    handle: Handle
-    KIND = "np"
-
-
-class JaxEntry(NamedTuple):
-    """A jax.Array: codec metadata and ``layout`` ((offset, nbytes) per buffer) in one slot."""
-
-    meta: tuple
-    layout: tuple
-    handle: Handle
-    KIND = "jax"
-
-
-class RefEntry(NamedTuple):
-    """An array that lives in the *receiver's* own slot ``handle`` (sent back unchanged)."""
-
-    sub: str  # "np" or "jax"
-    info: Any  # (dtype, shape) for "np", the codec metadata for "jax"
-    handle: Handle
-    KIND = "ref"
-
-
-class TreeEntry(NamedTuple):
-    """A SharedTree, defined once per worker by ``DefineTree``."""
-
-    tree_id: int
-    KIND = "tree"
-
-
-def _shape(v: Any) -> tuple:
-    if not isinstance(v, tuple) or any(type(d) is not int or d < 0 for d in v):
-        raise _bad(f"array shape must be a tuple of non-negative ints, got {v!r}")
-    return v
-
-
-def parse_entry(e: Any) -> NpEntry | JaxEntry | RefEntry | TreeEntry:
-    """One wire entry as its record; CorruptTransferError when malformed."""
-    if not isinstance(e, tuple) or not e or not isinstance(e[0], str):
-        raise _bad(f"an entry must be a tuple (kind, ...), got {type(e).__name__}")
-    kind, fields = e[0], e[1:]
-    if kind == "np" and len(fields) == 3:
-        return NpEntry(fields[0], _shape(fields[1]), Handle.parse(fields[2], "array entry"))
-    if kind == "jax" and len(fields) == 3:
-        layout = _seq(fields[1], "buffer layout")
-        for pair in layout:
-            if not isinstance(pair, tuple) or len(pair) != 2:
-                raise _bad(f"buffer layout entries must be (offset, nbytes), got {pair!r}")
-            _int(pair[0], "buffer offset"), _int(pair[1], "buffer size")
-        return JaxEntry(_seq(fields[0], "array metadata"), tuple(layout), Handle.parse(fields[2], "array entry"))  # type: ignore[arg-type]
-    if kind == "ref" and len(fields) == 3 and fields[0] in ("np", "jax"):
-        info = fields[1]
-        if fields[0] == "np" and not (isinstance(info, tuple) and len(info) == 2):
-            raise _bad(f"a returned numpy array needs (dtype, shape), got {info!r}")
-        if fields[0] == "np":
-            info = (info[0], _shape(info[1]))
-        return RefEntry(fields[0], info, Handle.parse(fields[2], "returned array"))
-    if kind == "tree" and len(fields) == 1:
-        return TreeEntry(_int(fields[0], "tree id"))
-    raise _bad(f"unknown entry {kind!r} with {len(fields)} fields")
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +102,6 @@ class Task(NamedTuple):
     data: bytes
     entries: list
     releases: list
-    KIND = "task"
 
     @classmethod
     def check(cls, m):
@@ -208,7 +115,6 @@ class DefineTree(NamedTuple):
     tree_id: int
     data: bytes
     entries: list
-    KIND = "define-tree"
 
     @classmethod
     def check(cls, m):
@@ -218,7 +124,6 @@ class DefineTree(NamedTuple):
 
 class DropTree(NamedTuple):
     tree_id: int
-    KIND = "drop-tree"
 
     @classmethod
     def check(cls, m):
@@ -228,7 +133,6 @@ class DropTree(NamedTuple):
 
 class Release(NamedTuple):
     handles: list
-    KIND = "release"
 
     @classmethod
     def check(cls, m):
@@ -237,7 +141,6 @@ class Release(NamedTuple):
 
 class Forget(NamedTuple):
     seg_ids: list
-    KIND = "forget"
 
     @classmethod
     def check(cls, m):
@@ -245,8 +148,6 @@ class Forget(NamedTuple):
 
 
 class Stop(NamedTuple):
-    KIND = "stop"
-
     @classmethod
     def check(cls, m):
         return m
@@ -255,7 +156,6 @@ class Stop(NamedTuple):
 class Ready(NamedTuple):
     ok: bool
     error: Any  # ErrorReport or None
-    KIND = "ready"
 
     @classmethod
     def check(cls, m):
@@ -276,7 +176,6 @@ class Result(NamedTuple):
     releases: list
     unheld: list
     seconds: float
-    KIND = "result"
 
     @classmethod
     def check(cls, m):
@@ -292,8 +191,6 @@ class Result(NamedTuple):
 
 
 class Leaving(NamedTuple):
-    KIND = "leaving"
-
     @classmethod
     def check(cls, m):
         return m
@@ -304,7 +201,6 @@ class Garbled(NamedTuple):
     message carried is lost, so the parent retires the worker."""
 
     description: str
-    KIND = "garbled"
 
     @classmethod
     def check(cls, m):
@@ -313,8 +209,21 @@ class Garbled(NamedTuple):
         return m
 
 
-TO_WORKER = {c.KIND: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
-TO_PARENT = {c.KIND: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
+# Each message's kind: a whole word, the first item of its tuple on the wire.
+KIND_OF: dict[type, str] = {
+    Task: "task",
+    DefineTree: "define-tree",
+    DropTree: "drop-tree",
+    Release: "release",
+    Forget: "forget",
+    Stop: "stop",
+    Ready: "ready",
+    Result: "result",
+    Leaving: "leaving",
+    Garbled: "garbled",
+}
+TO_WORKER = {KIND_OF[c]: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
+TO_PARENT = {KIND_OF[c]: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
 
 
 # Note [bulk bytes after the pickle]
@@ -336,8 +245,10 @@ def dumps(msg: Any) -> bytes | Pieces:
     the pickle] for a large ``data``)."""
     data = getattr(msg, "data", None)
     if type(data) is bytes and len(data) >= TRAIL_MIN:
-        return Pieces((pickle.dumps((msg.KIND, *msg._replace(data=len(data))), protocol=PICKLE_PROTOCOL), data))
-    return pickle.dumps((msg.KIND, *msg), protocol=PICKLE_PROTOCOL)
+        return Pieces(
+            (pickle.dumps((KIND_OF[type(msg)], *msg._replace(data=len(data))), protocol=PICKLE_PROTOCOL), data)
+        )
+    return pickle.dumps((KIND_OF[type(msg)], *msg), protocol=PICKLE_PROTOCOL)
 
 
 def loads(raw: bytes, table: dict) -> tuple:

@@ -2,11 +2,12 @@
 
 ``AsyncResult`` (``apply_async``), ``MapResult`` (``map_async``/``starmap_async``) and
 ``IMapIterator`` (``imap``/``imap_unordered``). Each is completed through
-``_chunk_done(chunk_index, ok, value)`` where ``value`` is the list of a chunk's results or an
-exception: by the manager thread for a result without callbacks, by the pool's callback thread
-(:class:`CallbackRunner`) for one with callbacks, so a callback may submit tasks and wait for
-them (``pool.apply`` works) without stalling result reading. Waiting in a callback for a result
-that itself needs the callback thread raises PoolStateError at once instead of deadlocking. A
+``chunk_done(chunk_index, ok, value)`` (for the pool's engine and facade, not part of the user
+API) where ``value`` is the list of a chunk's results or an exception: by the manager thread for
+a result without callbacks, by the pool's callback thread (:class:`CallbackRunner`) for one with
+callbacks, so a callback may submit tasks and wait for them (``pool.apply`` works) without
+stalling result reading. Waiting in a callback for a result that itself needs the callback
+thread raises PoolStateError at once instead of deadlocking. A
 callback that raises is reported on stderr and does not disturb the pool.
 """
 
@@ -43,7 +44,7 @@ class CallbackRunner:
 
     def deliver(self, result: Any, index: int, ok: bool, value: Any) -> None:
         if not result._has_callbacks():
-            result._chunk_done(index, ok, value)
+            result.chunk_done(index, ok, value)
             return
         fast = getattr(result, "_fast", None)  # only on AsyncResult: one call, value[0]
         if fast is not None:
@@ -67,7 +68,7 @@ class CallbackRunner:
                 return
             result, index, ok, value = item
             del item
-            result._chunk_done(index, ok, value)
+            result.chunk_done(index, ok, value)
             del result, value
 
     def close(self) -> None:
@@ -109,7 +110,7 @@ class AsyncResult:
         self._callback = callback
         self._error_callback = error_callback
         self._keepalive = keepalive  # the Pool, until the result is in (as multiprocessing)
-        # Internal (the Executor): fast(ok, value) -> True when it completed the result's
+        # FuturesResult (the Executor): fast(ok, value) -> True when it completed the result's
         # consumer itself without running user code, so the delivering thread may call it.
         self._fast: Callable | None = None
         self._ok: bool | None = None
@@ -163,12 +164,28 @@ class AsyncResult:
             event.set()
         self._keepalive = None
 
-    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
+    def chunk_done(self, index: int, ok: bool, value: Any) -> None:
         self._set(ok, value[0] if ok else value)
 
     def __repr__(self) -> str:
         state = "pending" if not self.ready() else ("done" if self._ok else "failed")
         return f"<jaxtransport.pool.AsyncResult {state}>"
+
+
+class FuturesResult(AsyncResult):
+    """An Executor call's result: like :class:`AsyncResult`, plus ``fast(ok, value)``, which the
+    manager thread calls first: True when it completed the call's future itself (one without
+    done-callbacks: setting it runs no user code), so the callback thread is not needed."""
+
+    def __init__(
+        self,
+        keepalive: Any,
+        callback: Callable | None,
+        error_callback: Callable | None,
+        fast: Callable[[bool, Any], bool],
+    ) -> None:
+        super().__init__(keepalive, callback, error_callback)
+        self._fast = fast
 
 
 class MapResult(AsyncResult):
@@ -191,7 +208,7 @@ class MapResult(AsyncResult):
         if not self._left:
             self._set(True, [])
 
-    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
+    def chunk_done(self, index: int, ok: bool, value: Any) -> None:
         with self._lock:
             if self._done:
                 return
@@ -225,19 +242,19 @@ class IMapIterator:
     def _has_callbacks(self) -> bool:
         return False
 
-    def _unconsumed(self) -> int:
+    def unconsumed(self) -> int:
         """Chunks finished whose results were not all taken yet (imap's backpressure)."""
         return self._done_chunks - self._yielded_chunks
 
     def __iter__(self) -> IMapIterator:
         return self
 
-    def _set_length(self, chunks: int) -> None:
+    def set_length(self, chunks: int) -> None:
         with self._cond:
             self._total_chunks = chunks
             self._cond.notify_all()
 
-    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
+    def chunk_done(self, index: int, ok: bool, value: Any) -> None:
         with self._cond:
             self._done_chunks += 1
             if ok:

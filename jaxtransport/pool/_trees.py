@@ -62,6 +62,11 @@ class SharedTree:
         self._finalizer = weakref.finalize(self, book.queue_release, rec)
 
     @property
+    def tree_id(self) -> int:
+        """The small id that travels in place of the tree (unique within its pool)."""
+        return self._tree_id
+
+    @property
     def nbytes(self) -> int:
         return self._rec.nbytes
 
@@ -90,7 +95,7 @@ class SharedTree:
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"
-        return f"<jaxtransport.SharedTree {self._tree_id} ({_shm._fmt(self.nbytes)} shared, {state})>"
+        return f"<jaxtransport.SharedTree {self._tree_id} ({_shm.format_bytes(self.nbytes)} shared, {state})>"
 
 
 class TreeBook:

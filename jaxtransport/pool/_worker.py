@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _procenv
+from .._errors import CorruptTransferError
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -57,52 +58,70 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
     int64s where it records the chunk it starts and the parent marks chunks it took back, and
     the cross-process lock over them (``_claim``; Note [started], Note [taking back a chunk]);
     ``init``: the pickled ``(initializer, initargs)``, unpickled once the environment is set
-    (Note [initargs] in ``_workers``)."""
+    (Note [initargs] in ``_initargs``); ``config``: a pickled :class:`WorkerConfig`."""
     from ._claim import STARTED_ID, Cells
 
     cell = None if block is None else Cells(block)
     claim = None if cell is None else cell.lock
     if cell is not None:
-        cell[STARTED_ID] = -2  # _workers.RUNNING: it got past bootstrapping (reached_worker_code)
-    cfg = pickle.loads(config)
-    cfg["initializer"] = init
-    _procenv.apply_environ(cfg["env"])
+        cell[STARTED_ID] = -2  # _processes.RUNNING: it got past bootstrapping (reached_worker_code)
+    cfg: WorkerConfig = pickle.loads(config)
+    _procenv.apply_environ(cfg.env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(cfg["parent_pid"])
+    _watch_parent(cfg.parent_pid)
     global CURRENT
-    CURRENT = _Worker(conn, fdsock, cfg, cell, claim)
+    CURRENT = _Worker(conn, fdsock, cfg, cell, claim, init)
     CURRENT.run()
+
+
+class WorkerConfig(NamedTuple):
+    """What a worker starts with, built by the parent (``Engine.start_worker``) and pickled into
+    the worker ``Process``'s arguments. Defined here, not in ``_protocol``: the worker unpickles
+    it before it applies ``env``, so its module must import nothing that reads the environment
+    (numpy, JAX)."""
+
+    parent_pid: int  # the worker exits when this process is gone
+    threshold: int | None  # arrays of at least this many bytes go back through shared memory
+    placement: str  # where received arrays go ("device", "host", "preserve")
+    capacity: int  # the worker's own arena (its results), in bytes
+    futures: bool  # an Executor's worker: concurrent.futures' error reporting
+    maxtasks: int | None  # chunks before it leaves (maxtasksperchild)
+    grace: float  # how long a result waits for the parent to release memory
+    reserve: int  # bytes of result segments made while it starts (Pool(shm_reserve=...))
+    preload_jax: bool  # import JAX in the background once ready
+    env: dict  # the environment variables it applies first (``_procenv.worker_env``)
 
 
 CURRENT = None  # the running worker (for introspection and tests)
 
 
 class _Worker:
-    def __init__(self, conn, fdsock, cfg, cell=None, claim=None):
+    def __init__(self, conn, fdsock, cfg: WorkerConfig, cell=None, claim=None, init: tuple | None = None):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
-        from .. import _shm
-        from . import _protocol, _wire
+        from .. import _shm, _wire
+        from . import _protocol
 
         self.wire = _wire
         self.protocol = _protocol
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
-        from ._senders import BufferedFrames, write_frame
+        self.init = init  # the pickled (initializer, initargs), or None
+        from ._framing import BufferedFrames, write_frame
 
         self.write_frame = write_frame
 
         # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
         # system calls per message: tens of microseconds per task on the tiny-task path).
         self.frames = BufferedFrames(conn.fileno())
-        self.placement = cfg["placement"]
-        self.threshold = cfg["threshold"]
-        self.arena = _shm.Arena(cfg["capacity"], label=f"pool worker {os.getpid()}")
-        if cfg.get("reserve"):
+        self.placement = cfg.placement
+        self.threshold = cfg.threshold
+        self.arena = _shm.Arena(cfg.capacity, label=f"pool worker {os.getpid()}")
+        if cfg.reserve:
             # Pool(shm_reserve=...): segments for results, made while this worker starts.
             try:
-                self.arena.reserve(cfg["reserve"])
+                self.arena.reserve(cfg.reserve)
             except BaseException as e:  # noqa: BLE001 - the first result that needs memory raises it
                 self.arena.reserve_error = e
         self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
@@ -162,7 +181,7 @@ class _Worker:
                 return None
             try:
                 msg = P.loads(raw, P.TO_WORKER)
-            except P.CorruptTransferError as e:
+            except CorruptTransferError as e:
                 self.report_garbled(raw, e)
                 continue
             if type(msg) is P.Task:
@@ -174,7 +193,7 @@ class _Worker:
         P = self.protocol
         try:
             msg = pickle.loads(raw)
-            chunk_id = msg[1] if msg[0] == P.Task.KIND and type(msg[1]) is int else None
+            chunk_id = msg[1] if msg[0] == P.KIND_OF[P.Task] and type(msg[1]) is int else None
         except Exception:  # noqa: BLE001
             chunk_id = None
         if chunk_id is not None:
@@ -214,7 +233,7 @@ class _Worker:
         now = time.monotonic()
         if self._wait_start is None:
             self._wait_start = now
-        if now - self._wait_start > self.cfg.get("grace", self.protocol.CAPACITY_GRACE_S):
+        if now - self._wait_start > self.cfg.grace:
             return False
         self.flush_releases()
         msg = self.recv(self.protocol.RELEASE_FLUSH_S)
@@ -256,13 +275,13 @@ class _Worker:
     def run(self) -> None:
         cfg = self.cfg
         try:
-            if cfg["initializer"] is not None:
-                from ._workers import loads_in_child
+            if self.init is not None:
+                from ._initargs import loads_in_child
 
-                init, initargs = loads_in_child(cfg["initializer"])
+                init, initargs = loads_in_child(self.init)
                 init(*initargs)
         except BaseException as e:
-            if cfg.get("futures"):
+            if cfg.futures:
                 # An Executor's worker logs it where concurrent.futures' workers do.
                 import logging
 
@@ -270,10 +289,10 @@ class _Worker:
             self.send(self.protocol.Ready(False, _pack_error(e)))
             return
         self.send(self.protocol.Ready(True, None))
-        if cfg.get("preload_jax") and "jax" not in sys.modules:
+        if cfg.preload_jax and "jax" not in sys.modules:
             _start_jax_import()
         done = 0
-        maxtasks = cfg["maxtasks"]
+        maxtasks = cfg.maxtasks
         while True:
             if self.backlog:
                 msg = self.backlog.pop(0)  # one queued by wait_for_release
@@ -364,7 +383,7 @@ class _Worker:
             elif mode == "map":
                 out = [fn(a) for a in items]
             else:
-                raise self.protocol.CorruptTransferError(f"Corrupt task: unknown mode {mode!r}")
+                raise CorruptTransferError(f"Corrupt task: unknown mode {mode!r}")
             del fn, items
         except BaseException as e:
             if isinstance(e, (SystemExit,)) and self.parent_gone:
@@ -396,7 +415,7 @@ class _Worker:
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
-            if self.cfg.get("futures"):
+            if self.cfg.futures:
                 return False, _pack_error(e, note="while pickling the result"), [], ()
             bad = next((r for r in out if not _picklable(r)), out)
             return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
@@ -477,7 +496,7 @@ def _start_jax_import() -> None:
 
 
 def _picklable(obj) -> bool:
-    from . import _wire
+    from .. import _wire
 
     try:
         _wire.prepare(obj, threshold=None, to_parent=True)

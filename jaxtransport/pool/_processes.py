@@ -1,8 +1,8 @@
-"""Worker records: starting a worker process, what the parent knows about it, closing it.
+"""Worker processes as the parent sees them: their records, starting one, closing one.
 
 A :class:`WorkerRec` is created by the engine (under its lock) and read by every thread; its
 fields change only under the engine's lock, except ``pace`` (the manager thread only). Its
-``sender`` and ``reader`` are the worker's end of the pipe (``_senders``); its ``mapper`` maps
+``sender`` and ``reader`` are the parent's end of its pipe (``_senders``); its ``mapper`` maps
 the worker's result segments (manager thread only).
 """
 
@@ -18,7 +18,9 @@ from typing import Any
 
 from .. import _procenv, _shm
 from . import _claim
+from ._initargs import InitCall
 from ._senders import FrameReader, Sender
+from ._worker import WorkerConfig, worker_main
 
 STARTING = -1  # the shared cell's value until the worker's own code runs (worker_main sets RUNNING)
 RUNNING = -2  # the worker's code runs; no chunk started yet (chunk ids are >= 0)
@@ -131,100 +133,20 @@ class WorkerRec:
         self.sender.post(msg_bytes, segments)
 
 
-class InitCall:
-    """A pool's ``initializer(*initargs)``, pickled for each worker as that worker starts.
-
-    Note [initargs]
-    ~~~~~~~~~~~~~~~
-    The stock pools put ``initargs`` in the worker ``Process``'s arguments, so they are
-    pickled by ``multiprocessing`` while it spawns the child: objects that may be shared only
-    by inheritance (a ``multiprocessing.Queue``, ``Lock``, ``Value``, a ``Connection``,
-    jaxtransport's own queues) pass ``assert_spawning`` and hand their fds to the child. An
-    ``InitCall`` travels the same way, in the worker's ``Process`` arguments. It reduces to
-    ``(blob, inherited)``: ``blob`` is ``(initializer, initargs)`` pickled by jaxtransport's
-    pickler (``__main__`` initializers and lambdas keep the stock module semantics, Note [user
-    code]), except that every ``multiprocessing`` (or ``jaxtransport.multiprocessing``)
-    object in it, and every object ``ForkingPickler`` has a reducer of its own for (ctypes
-    values in shared memory, Connections, sockets), is left out as a persistent id and put in
-    ``inherited``, which ``multiprocessing`` pickles itself in the same pickle as the rest of
-    the ``Process`` (one memo: a heap arena or a pipe appears once, as the spawn's list of
-    fds to pass requires). The child rebuilds ``inherited`` while it starts, as the stock pools
-    do, and unpickles ``blob`` in the worker loop, after its environment is set. Every worker,
-    including one started later to replace another, gets its initargs pickled anew, as the
-    stock pools do; an argument that cannot be pickled raises from ``Pool()`` itself.
-    """
-
-    __slots__ = ("initargs", "initializer")
-
-    def __init__(self, initializer, initargs):
-        self.initializer = initializer
-        self.initargs = tuple(initargs)
-
-    def __reduce__(self):
-        inherited: list = []
-        blob = dumps_for_child((self.initializer, self.initargs), inherited)
-        return tuple, ((blob, inherited),)
-
-
-_INHERITED_MODULES = ("multiprocessing.", "jaxtransport.multiprocessing.")
-
-
-def dumps_for_child(obj, inherited: list) -> bytes:
-    """``obj`` pickled by jaxtransport's pickler, its ``multiprocessing`` objects appended to
-    ``inherited`` instead (Note [initargs]); :func:`loads_in_child` rebuilds it."""
-    import copyreg
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    from .._pickling import PICKLE_PROTOCOL
-    from .._usercode import Pickler
-
-    # ForkingPickler's public per-instance table: copyreg's plus multiprocessing's own reducers.
-    mp_table = ForkingPickler(io.BytesIO()).dispatch_table
-    mp_only = {t for t, r in mp_table.items() if copyreg.dispatch_table.get(t) is not r}
-
-    class _ChildPickler(Pickler):
-        def persistent_id(self, o):
-            t = type(o)
-            if t in mp_only or t.__module__.startswith(_INHERITED_MODULES):
-                inherited.append(o)
-                return len(inherited) - 1
-            return None
-
-    f = io.BytesIO()
-    _ChildPickler(f, protocol=PICKLE_PROTOCOL).dump(obj)
-    return f.getvalue()
-
-
-def loads_in_child(payload):
-    """What :class:`InitCall` became in the worker: ``(initializer, initargs)``."""
-    import io
-
-    blob, inherited = payload
-
-    class _ChildUnpickler(pickle.Unpickler):
-        def persistent_load(self, pid):
-            return inherited[pid]
-
-    return _ChildUnpickler(io.BytesIO(blob)).load()
-
-
 def start_worker(
     ctx,
     *,
     start_method: str,
     index: int,
     serial: int,
-    env: dict,
-    config: dict,
+    config: WorkerConfig,
     maxtasks: int | None,
     init: InitCall | None = None,
 ) -> WorkerRec:
-    """Start one worker process (spawn/forkserver) with ``env`` and ``config``; ``init`` (the
+    """Start one worker process (spawn/forkserver) with ``config`` (its environment:
+    ``config.env``); ``init`` (the
     pool's initializer) is pickled while the process spawns (Note [initargs])."""
-    from ._worker import worker_main
-
-    cfg = pickle.dumps(dict(config, env=env))
+    cfg = pickle.dumps(config)
     conn, child_conn = ctx.Pipe(duplex=True)
     fdsock, child_sock = _shm.fd_socketpair()
     block = _claim.new_block(ctx)  # multiprocessing's heap: an unlinked file, gone with its users
@@ -238,7 +160,7 @@ def start_worker(
         if start_method == "spawn":
             # The child's environment is os.environ at exec time: set it there so that even
             # code JAX runs while re-importing __main__ sees it (forkserver: set in the child).
-            with _procenv.environ_overlay(env):
+            with _procenv.environ_overlay(config.env):
                 proc.start()
         else:
             proc.start()

@@ -1,19 +1,23 @@
-"""What travels through a Pool's pipes: cloudpickle with large arrays moved to shared memory.
+"""What travels through a process transport's pipes: cloudpickle with large arrays moved to shared memory.
 
-Sending is two steps. ``prepare(obj, ...)`` pickles ``obj`` with cloudpickle (lambdas, closures,
-``__main__`` code) and jaxtransport's array reducers; every ``jax.Array`` and ``numpy.ndarray``
-of at least ``threshold`` bytes, anywhere in ``obj``, is replaced by ``_entry(k)`` and listed as
-an *entry* (a :class:`Prepared`). Only after pickling succeeded (so a Tracer or an unpicklable
-object fails before any shared memory is touched) ``commit(prepared, arena=, ...)`` copies each
-entry's bytes once into a slot of the sender's :class:`~jaxtransport._shm.Arena`; an entry that
-already lives in memory received from the peer goes back as a ``"ref"`` to the peer's own slot
-(no copy). The result, an :class:`Encoded`, is what travels. Receiving: ``decode(data, entries,
-...)`` rebuilds the object once; :class:`Held` holds the slots of an object rebuilt many times
-(a SharedTree, once per task). Array entries alias the received slot (Note [slot lifetime] in
-``_shm``). ``function_blob`` is how a task's function travels.
+Used from above by the Pool (``pool/``: tasks, results, SharedTrees) and by
+``jaxtransport.multiprocessing`` (queues and pipes, ``multiprocessing/_sharing``). Its entry points:
+
+- sending, in two steps: :func:`prepare` pickles an object with cloudpickle (lambdas, closures,
+  ``__main__`` code) and jaxtransport's array reducers; every ``jax.Array`` and
+  ``numpy.ndarray`` of at least ``threshold`` bytes, anywhere in it, is replaced by ``_entry(k)``
+  and set aside (a :class:`Prepared`). Only after pickling succeeded (so a Tracer or an
+  unpicklable object fails before any shared memory is touched) :func:`commit` copies each
+  set-aside array's bytes once into a slot of the sender's :class:`~jaxtransport._shm.Arena`; an
+  array that already lives in memory received from the peer goes back as a ``"ref"`` to the
+  peer's own slot (no copy). The result, an :class:`Encoded`, is what travels.
+- receiving: :func:`decode` rebuilds the object once; :class:`Held` holds the slots of an object
+  rebuilt many times (a SharedTree, once per task). Array entries alias the received slot (Note
+  [slot lifetime] in ``_shm``).
+- :func:`function_blob`: a task's function, pickled once for many chunks.
 
 Entries travel as plain tuples ``(kind, *fields)`` and are read back as the records of
-``_protocol`` (``NpEntry``, ``JaxEntry`` -- one slot holds all of an array's buffers --,
+``_entries`` (``NpEntry``, ``JaxEntry`` -- one slot holds all of an array's buffers --,
 ``RefEntry`` -- a slot of the *receiver's* own arena --, ``TreeEntry``), validated on arrival.
 """
 
@@ -29,19 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from .. import _errors, _pickling, _usercode
-from .._errors import CorruptTransferError, ShmHandleError
-from .._nojax import jax_loaded
-from .._pickling import PICKLE_PROTOCOL
-from .._shm import ALIGN, Arena, Mapper
-from . import _protocol
+from . import _entries, _errors, _pickling, _usercode
+from ._errors import CorruptTransferError, ShmHandleError
+from ._nojax import jax_loaded
+from ._pickling import PICKLE_PROTOCOL
+from ._shm import ALIGN, Arena, Handle, Mapper
 
 __all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "prepare"]
 
 
 class Encoded:
     """A pickled object plus its shared-memory entries. ``handles`` lists the arena slots it
-    holds (one reference each, owned by the borrower given to ``encode``)."""
+    holds (one reference each, owned by the borrower given to ``commit``)."""
 
     __slots__ = ("data", "entries", "handles", "segs", "trees")
 
@@ -117,7 +120,7 @@ def _routes(tree_type: type | None) -> dict:
     if not _ROUTES:
         _ROUTES[np.ndarray] = _route_np
     if not _ROUTES_JAX and jax_loaded():  # no jax.Array exists before JAX is imported
-        from .. import _codec
+        from . import _codec
 
         for t in _codec.concrete_array_types():
             _ROUTES[t] = _route_jax
@@ -150,12 +153,10 @@ def _reduce_code(code: types.CodeType):
     """cloudpickle's reduction of a code object, keeping its file name (cloudpickle writes
     ``<dynamic-code>``), so a worker's traceback names the file and line, and shows the source
     line when the file is readable there, as multiprocessing.Pool's does."""
-    import cloudpickle
-
-    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # private: probe, else default
-    if reduce is None:
+    reduced = _usercode.code_reduction(code)
+    if reduced is None:
         return NotImplemented
-    fn, args = reduce(code)
+    fn, args = reduced
     return fn, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
 
 
@@ -183,7 +184,7 @@ def _fast_table(tree_type: type | None) -> dict:
         return cached[1]
     table = dict(copyreg.dispatch_table)
     if loaded:  # no Tracer exists before JAX is imported
-        from .._tracers import tracer_types
+        from ._tracers import tracer_types
 
         for t in tracer_types():
             table[t] = _refuse_fast
@@ -196,9 +197,7 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
     """Plain C pickling (no Python call per object), or None when ``obj`` needs cloudpickle:
     something not picklable by reference (lambdas, closures, local classes) or anything
     referring to ``__main__`` (which a spawned worker may not be able to import)."""
-    import cloudpickle
-
-    if getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
+    if _usercode.registered_by_value():
         return None
     data = _pickle_by_reference(obj, router)
     if data is None or _mentions_main(data):
@@ -334,7 +333,7 @@ def commit(
     try:
         for kind, x in prep.found:
             if kind == "tree":
-                entries.append(("tree", x._tree_id))
+                entries.append(("tree", x.tree_id))
                 continue
             if peer is not None:
                 entry = _as_ref(kind, x, peer)
@@ -345,10 +344,11 @@ def commit(
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
                 handle, dst = arena.alloc(src.nbytes, borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
+                handle = Handle._make(handle)  # an adapter's arena may hand out plain tuples
                 np.copyto(dst, src.reshape(-1).view(np.uint8))
                 entries.append(("np", x.dtype, x.shape, tuple(handle)))
             else:
-                from .. import _codec
+                from . import _codec
 
                 meta, bufs = _codec.encode(x)
                 layout, total = [], 0
@@ -357,10 +357,11 @@ def commit(
                     total += -(-b.nbytes // ALIGN) * ALIGN
                 handle, dst = arena.alloc(max(total, 1), borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
+                handle = Handle._make(handle)
                 for (off, n), b in zip(layout, bufs):
                     np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
                 entries.append(("jax", tuple(meta), tuple(layout), tuple(handle)))
-            segs.add(handle[0])
+            segs.add(handle.seg)
     except BaseException:
         for h in handles:
             arena.release(h, borrower)  # type: ignore[union-attr,arg-type]
@@ -382,7 +383,7 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
         return None
     if kind == "np":
         return ("ref", "np", (x.dtype, x.shape), tuple(h))
-    from .. import _codec
+    from . import _codec
 
     try:
         meta, bufs = _codec.encode(x)
@@ -394,46 +395,36 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
 
 
 def materialize(
-    entry: tuple,
+    entry: Any,  # a parsed entry: one of the records of ``_entries``
     holder: Any,
     placement: str,
     trees: Callable[[int], Any] | None = None,
     readonly: bool = False,
+    *,
+    again: bool = False,
 ) -> Any:
-    """One parsed entry as the object it stands for, aliasing ``holder`` (no copy on CPU)."""
-    return _materialize(entry, holder, placement, trees, readonly, again=False)
-
-
-def materializer(
-    entry: tuple,
-    holder: Any,
-    placement: str,
-    trees: Callable[[int], Any] | None = None,
-    readonly: bool = False,
-) -> Callable[[], Any]:
-    """A function returning, at each call, what ``materialize`` returns: a new object over the
-    same memory each time. What does not change between calls (validation, views, a jax.Array's
-    abstract value) is done once, here, which raises for a bad entry."""
-    return _materialize(entry, holder, placement, trees, readonly, again=True)
-
-
-def _materialize(entry, holder, placement, trees, readonly, again: bool):
-    if type(entry) is _protocol.TreeEntry:
+    """One parsed entry as the object it stands for, aliasing ``holder`` (no copy on CPU).
+    ``again``: instead, a function returning such an object at each call, a new one over the
+    same memory each time; what does not change between calls (validation, views, a
+    jax.Array's abstract value) is done once, here, which raises for a bad entry."""
+    if type(entry) is _entries.TreeEntry:
         if trees is None:
             raise CorruptTransferError("Corrupt message: a SharedTree reference where none can be")
         return functools.partial(trees, entry.tree_id) if again else trees(entry.tree_id)
-    if type(entry) is _protocol.RefEntry:
+    if type(entry) is _entries.RefEntry:
         if entry.sub == "np":
             return _build("np", entry.info, holder, entry.handle, placement, True, again)
         return _build("jax", (entry.info, ((0, entry.handle.nbytes),)), holder, entry.handle, placement, True, again)
-    if type(entry) is _protocol.NpEntry:
+    if type(entry) is _entries.NpEntry:
         return _build("np", (entry.dtype, entry.shape), holder, entry.handle, placement, readonly, again)
     return _build("jax", (entry.meta, entry.layout), holder, entry.handle, placement, True, again)
 
 
-def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, readonly: bool, again: bool = False) -> Any:
+def _build(
+    sub: str, info: Any, holder: Any, handle: Handle, placement: str, readonly: bool, again: bool = False
+) -> Any:
     """The object (``again``: a function returning a new one at each call)."""
-    raw = np.frombuffer(holder, np.uint8, count=handle[2])
+    raw = np.frombuffer(holder, np.uint8, count=handle.nbytes)
     if readonly:
         raw.flags.writeable = False
     if sub == "np":
@@ -443,22 +434,22 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
         except TypeError as e:
             raise CorruptTransferError(f"Corrupt message: {dtype!r} is not a numpy dtype ({e})") from None
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if count * dtype.itemsize != handle[2]:
+        if count * dtype.itemsize != handle.nbytes:
             raise ShmHandleError(
                 f"Bad shared-memory handle {handle!r}: a {dtype} array of shape {shape} needs "
-                f"{count * dtype.itemsize} bytes but the handle covers {handle[2]} (truncated)."
+                f"{count * dtype.itemsize} bytes but the handle covers {handle.nbytes} (truncated)."
             )
         out = raw.view(dtype).reshape(shape)
         return out.view if again else out
     meta, layout = info
     bufs = []
     for off, n in layout:
-        if off < 0 or n < 0 or off + n > handle[2]:
+        if off < 0 or n < 0 or off + n > handle.nbytes:
             raise ShmHandleError(
                 f"Bad shared-memory handle {handle!r}: buffer [{off}, {off + n}) is outside it (truncated)"
             )
         bufs.append(raw[off : off + n])
-    from .. import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
+    from . import _codec  # the first jax.Array to materialize imports JAX in a Pool worker
 
     try:
         if not again:
@@ -470,8 +461,8 @@ def _build(sub: str, info: Any, holder: Any, handle: tuple, placement: str, read
         raise
 
 
-def _decode_again(decode: Callable[[], Any], handle: tuple) -> Any:
-    from .. import _codec
+def _decode_again(decode: Callable[[], Any], handle: Handle) -> Any:
+    from . import _codec
 
     try:
         return decode()
@@ -484,7 +475,7 @@ def _decode_again(decode: Callable[[], Any], handle: tuple) -> Any:
 class Held:
     """A received message with its entries parsed, their slots held (one holder per entry,
     every handle validated) and everything that does not change between decodings done once
-    (``materializer``): ``rebuild()`` returns the object as if freshly received, each time.
+    (``materialize(..., again=True)``): ``rebuild()`` returns the object as if freshly received, each time.
 
     Each call unpickles new containers over new numpy views and new ``jax.Array`` objects over
     the same held memory: no copy of the bytes on CPU (an accelerator gets a host-to-device copy
@@ -511,7 +502,9 @@ class Held:
     ):
         parsed, holders = _hold(entries, mapper, own, None)
         try:
-            makers = [materializer(rec, holder, placement, trees, readonly) for rec, holder in zip(parsed, holders)]
+            makers = [
+                materialize(rec, holder, placement, trees, readonly, again=True) for rec, holder in zip(parsed, holders)
+            ]
         except BaseException:
             holders.clear()
             makers = None
@@ -531,10 +524,10 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
     holders: list = []
     try:
         for e in entries:
-            rec = _protocol.parse_entry(e)
-            if type(rec) is _protocol.TreeEntry:
+            rec = _entries.parse_entry(e)
+            if type(rec) is _entries.TreeEntry:
                 holder = None
-            elif type(rec) is _protocol.RefEntry:
+            elif type(rec) is _entries.RefEntry:
                 if own is None:
                     raise CorruptTransferError(
                         "Corrupt message: a reference to this process's own memory where none can be"
@@ -559,7 +552,7 @@ def _unpickle(data: bytes, placement: str, objects) -> Any:
     making each entry's object, consumed here, under ``placement`` as are arrays inside the
     pickle). Nothing here refers to an entry after the call (a traceback must not hold slots)."""
     resolved: list = []
-    token = _pickling._placement_override.set(placement)
+    token = _pickling.override_placement(placement)
     outer = getattr(_decoding, "resolved", None)
     try:
         resolved.extend(objects)
@@ -567,7 +560,7 @@ def _unpickle(data: bytes, placement: str, objects) -> Any:
         return pickle.loads(data)
     finally:
         _decoding.resolved = outer
-        _pickling._placement_override.reset(token)
+        _pickling.restore_placement(token)
         resolved.clear()  # the result refers to what it needs
 
 
@@ -581,7 +574,7 @@ def decode(
     readonly: bool = False,
     unheld: list | None = None,
 ) -> Any:
-    """Rebuild what ``encode`` made (once: ``Held`` rebuilds any number of times). Every entry
+    """Rebuild what ``prepare`` and ``commit`` made (once: ``Held`` rebuilds any number of times). Every entry
     is parsed and its holder created first (validating every handle), so a bad entry fails the
     whole object and the good slots are released with their holders. On failure the indices of
     entries whose slot this process never held (the sender still counts them) are appended to

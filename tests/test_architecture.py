@@ -1,0 +1,153 @@
+"""The package's shape: no import circles, and the shared layers import nothing above them.
+
+The import graph is read from the source (every ``import``, function-level ones included; those
+under ``if TYPE_CHECKING:`` name a type only and run nowhere, so they are left out). A circle
+makes the import order matter and hides which module is the lower layer: ``_engine`` and
+``_manager`` once imported each other, so one of them had to import the other inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jaxtransport
+
+PKG = pathlib.Path(jaxtransport.__file__).parent
+
+# The packages whose modules may be in no circle: the top level (the codec, shared memory, the
+# wire encoder) and the Pool. jaxtransport.multiprocessing and jaxtransport.rollouts join this
+# list once their own circles are undone.
+CHECKED = ("jaxtransport", "jaxtransport.pool")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _package_of(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST):
+    """Every import node, skipping the bodies of ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str) -> set[str]:
+    """The jaxtransport modules ``name`` imports at run time."""
+    out: set[str] = set()
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    for node in _runtime_imports(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = _package_of(name).split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = []
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                targets.append(sub if sub in MODULES else base)
+        out.update(t for t in targets if t in MODULES and t != name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def test_the_graph_reader_sees_function_level_imports_and_skips_type_checking():
+    # pool/_worker imports _wire inside a function; _manager names the Engine only for mypy.
+    assert "jaxtransport._wire" in GRAPH["jaxtransport.pool._worker"]
+    assert "jaxtransport.pool._engine" not in GRAPH["jaxtransport.pool._manager"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    circles = [c for c in _cycles(GRAPH) if any(_package_of(m) in CHECKED for m in c)]
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_shared_layer_imports_nothing_above_it():
+    """The top-level modules (codec, shared memory, the wire encoder the Pool and
+    jaxtransport.multiprocessing share) import no subpackage; the package's ``__init__`` (whose
+    names load lazily) and the Ray face are the top, not the shared layer."""
+    top = ("jaxtransport", "jaxtransport.ray")
+    upward = {
+        (m, t)
+        for m in MODULES
+        if _package_of(m) == "jaxtransport" and m not in top
+        for t in GRAPH[m]
+        if _package_of(t) != "jaxtransport"
+    }
+    assert not upward, sorted(upward)
+
+
+def test_no_package_reaches_into_a_siblings_private_modules():
+    """The Pool and jaxtransport.multiprocessing (and the rollouts demo) share code only through
+    the layer below them; one may use another's public names (``jaxtransport.multiprocessing``
+    builds its ``Pool`` on ``jaxtransport.pool.Pool``), never its private modules."""
+    reaches = {
+        (m, t)
+        for m in MODULES
+        for t in GRAPH[m]
+        if _package_of(t) not in ("jaxtransport", _package_of(m)) and t.rpartition(".")[2].startswith("_")
+    }
+    assert not reaches, sorted(reaches)
