@@ -115,16 +115,16 @@ def _buffer(buf: Any) -> Any:
     return buf
 
 
-def _raw(buf: np.ndarray) -> _Raw:
+def raw(buf: np.ndarray) -> _Raw:
     return _Raw(buf.reshape(-1).view(np.uint8))
 
 
-def _reduce_array(x: Any) -> tuple:
+def reduce_array(x: Any) -> tuple:
     """copyreg reducer for ArrayImpl and PRNGKeyArray: out-of-band capable, sharding-aware."""
     from . import _codec
 
     meta, buffers = _codec.encode(x)
-    return _rebuild_array, (tuple(meta), *[_raw(b) for b in buffers])
+    return _rebuild_array, (tuple(meta), *[raw(b) for b in buffers])
 
 
 def _rebuild_array(meta: tuple, *raw: Any) -> Any:
@@ -165,7 +165,7 @@ def register(placement: str = "device") -> None:
     _codec.check_placement(placement)
     with _registration.lock:
         _default_placement = placement
-        entries: list[tuple[type, Callable]] = [(t, _reduce_array) for t in _codec.concrete_array_types()]
+        entries: list[tuple[type, Callable]] = [(t, reduce_array) for t in _codec.concrete_array_types()]
         entries += [(t, _reduce_tracer) for t in tracer_types()]
         _registration.install(entries)
 
@@ -196,7 +196,7 @@ class _Pickler(cloudpickle.Pickler):
         kinds = _JAX_KINDS or _jax_kinds()
         if kinds is not None:
             if type(obj) in kinds[0]:
-                return _reduce_array(obj)
+                return reduce_array(obj)
             if isinstance(obj, kinds[1]):
                 from ._tracers import tracer_error
 

@@ -100,7 +100,7 @@ def _route_jax(obj):
     except Exception:
         nb = 0
     if nb < r.threshold or nb == 0:
-        return _pickling._reduce_array(obj)
+        return _pickling.reduce_array(obj)
     return r.add("jax", obj)
 
 

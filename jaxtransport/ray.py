@@ -89,7 +89,7 @@ import jax.errors
 
 from . import _codec, _compat, _procenv
 from ._errors import TracerTransportError, TransportError
-from ._pickling import _raw
+from ._pickling import raw
 from ._registry import Registration
 from ._tracers import find_tracer, tracer_error, tracer_types
 
@@ -130,11 +130,11 @@ _placement = _initial_placement()
 
 def _serialize(x: Any) -> tuple:
     """(meta, raw buffers...) for Ray's pickler; copies nothing on CPU. Each raw buffer is
-    ``_pickling._raw``'s wrapper, which pickles as a ``PickleBuffer`` under protocol 5 (Ray's):
+    ``_pickling.raw``'s wrapper, which pickles as a ``PickleBuffer`` under protocol 5 (Ray's):
     out-of-band, and independent of numpy's own pickling (whose paths differ across numpy
     1 and 2, which a heterogeneous cluster may mix)."""
     meta, buffers = _codec.encode(x)
-    return (tuple(meta), *[_raw(b) for b in buffers])
+    return (tuple(meta), *[raw(b) for b in buffers])
 
 
 def _deserialize(payload: tuple) -> Any:
