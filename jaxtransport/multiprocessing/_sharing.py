@@ -131,7 +131,7 @@ class Producer:
         with self.lock:
             serial = next(self.serials)
             _HDR.pack_into(view, 0, serial, 0, 0, 0)
-            data = (handle[0], handle[1] + HEADER, nbytes, handle[3])
+            data = (handle.seg, handle.offset + HEADER, nbytes, handle.gen)  # travels as a plain tuple
             self.outstanding[data] = (handle, serial)
         return data, view[HEADER:]
 
@@ -350,7 +350,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             handles.append(blob)
             view[: len(data)] = np.frombuffer(data, np.uint8)
             data = None
-        segs = sorted({h[0] for h in handles})
+        segs = sorted({_shm.Handle(*h).seg for h in handles})
         fds = []
         for s in segs:
             seg = p.arena.segment(s)
