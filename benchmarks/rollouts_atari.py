@@ -211,7 +211,8 @@ def stock_bound(rows: list[dict], trajectories: int = 8) -> str | None:
     frames = np.random.default_rng(0).integers(0, 256, traj.frames.shape, np.uint8)
     traj = traj._replace(frames=jax.device_put(frames))
     q = multiprocessing.get_context("spawn").Queue()
-    q.put(traj), jax.block_until_ready(q.get())  # the feeder thread started, pickling warm
+    q.put(traj)  # the feeder thread started, pickling warm
+    jax.block_until_ready(q.get())
     cpu = time.process_time()
     for _ in range(trajectories):
         q.put(traj)

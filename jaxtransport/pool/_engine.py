@@ -198,10 +198,9 @@ class Engine:
     def wait_for_space(self) -> float | bool:
         """Arena wait hook for the caller's thread (see Arena.alloc; called with no lock held):
         wait while tasks that will release memory are in flight; give up after a grace period
-        when none is. A pool terminated or broken meanwhile raises its PoolStateError: the task
-        was never sent, because the pool stopped, not because memory ran out."""
+        when none is, or at once when the pool has stopped (``_commit`` then says so)."""
         if self.flags.stopped:
-            self.flags.check_running()
+            return False
         busy = self.in_flight() > 0
         now = time.monotonic()
         start = getattr(self.tls, "wait_start", None)
@@ -219,7 +218,6 @@ class Engine:
         prep = _wire.prepare(
             tree, threshold=self.threshold, tree_type=None, locate=lambda: first_tracer((tree, "tree"))
         )
-        self.tls.wait_start = None
         rec.enc = self._commit(prep, rec.key)
         rec.nbytes = sum(h.nbytes for h in rec.enc.handles)
         self.trees.add(rec)
@@ -254,14 +252,15 @@ class Engine:
         """Copy a prepared chunk's arrays into shared memory and queue it."""
         self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
-        self.tls.wait_start = None
         enc = self._commit(prep, ("chunk", chunk_id))
         self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
         """``_wire.commit`` into the parent's arena, waiting for memory (``wait_for_space``).
-        A pool terminated or broken meanwhile raises its PoolStateError, also when the arena
-        was closed under the waiting caller (it then says closed, which blames memory)."""
+        A pool terminated or broken meanwhile raises its PoolStateError, whether the wait hook
+        gave up or the arena was closed under the waiting caller: the ShmCapacityError either
+        raises would blame memory for a stopped pool."""
+        self.tls.wait_start = None
         try:
             return _wire.commit(prep, arena=self.arena, borrower=borrower, wait=self.wait_for_space)
         except ShmCapacityError:
