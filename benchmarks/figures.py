@@ -223,7 +223,8 @@ FIGURES: dict[str, Fig | Derived] = {}
 
 
 def _pool() -> None:
-    for tag, size in (("64m", 64 * MiB), ("256m", 256 * MiB), ("1g", GiB)):
+    for tag, size in (("1k", 1024), ("256k", 256 * 1024), ("1m", MiB), ("64m", 64 * MiB), ("256m", 256 * MiB),
+                      ("1g", GiB)):
         for q, name in (("arg", "argument"), ("res", "result")):
             FIGURES[f"pool.{q}.{tag}.mp.s"] = F("pool", "seconds", "s", name=name, size=size,
                                                  transport="multiprocessing.Pool")
@@ -316,7 +317,7 @@ def _others() -> None:
                                      transport="jaxtransport.multiprocessing")
     FIGURES["queue.64m.mp.gbps"] = F("queue", "gbps", "gbps", name="queue", size=64 * MiB,
                                      transport="multiprocessing")
-    for tag, size in (("1m", MiB), ("64m", 64 * MiB), ("1g", GiB)):
+    for tag, size in (("1k", 1024), ("1m", MiB), ("64m", 64 * MiB), ("1g", GiB)):
         for q in ("argument", "result"):
             for t, ttag in (("ray-default", "stock"), ("jaxtransport", "jt"), ("numpy", "numpy")):
                 FIGURES[f"ray.{q}.{tag}.{ttag}.s"] = F("ray", "seconds", "s", name=q, size=size, transport=t)
