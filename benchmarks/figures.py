@@ -627,10 +627,15 @@ def untraced(text: str) -> list[str]:
     def blank(m: re.Match) -> str:  # keep the line numbers
         return "\n" * m.group(0).count("\n")
 
+    out = []
+    for i, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("<!--fig"):  # CommonMark: a line that starts with <!-- is raw HTML
+            out.append(f"line {i}: a line starts with an inline figure, which makes the whole line raw "
+                       "HTML (its Markdown unrendered): move a word of the line before onto it")
+
     text = _BLOCK.sub(blank, text)
     text = _INLINE.sub(blank, text)
     text = _CODE.sub(blank, text)
-    out = []
     for m in _MEASURED.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         context = text[max(0, m.start() - 40): m.end() + 20].replace("\n", " ")

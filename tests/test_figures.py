@@ -77,6 +77,13 @@ def test_untraced_numbers_are_found_outside_figures_and_code():
         assert f"'{fine}'" not in found
 
 
+def test_an_inline_figure_never_starts_a_line():
+    """A line that starts with ``<!--`` is an HTML block in CommonMark (GitHub, MyST): the rest of
+    the line would show its Markdown unrendered."""
+    found = figures.untraced("some text\n<!--fig pool.arg.1g.ratio-->51x (pool, 2026-12-03)<!--/fig--> `code`\n")
+    assert len(found) == 1 and "starts with an inline figure" in found[0]
+
+
 def test_a_missing_row_or_figure_is_an_error_that_names_it():
     with pytest.raises(figures.FigureError, match="no figure named"):
         figures.render_text("<!--fig no.such.figure-->1x<!--/fig-->")
