@@ -455,8 +455,8 @@ def _environment_line(file: str, results: str) -> str:
     return f"- `{file}.json` ({res.generated}): " + ", ".join(bits)
 
 
-HEADER = ("| question | stock | jaxtransport | speedup | source: results file, date, runs and spread "
-          "((max - min) / median) of each figure |")
+HEADER = ("| question | stock | jaxtransport | speedup | source: results file, date, and for each figure its "
+          "runs and spread ((max - min) / median of the runs; of the per-round speedups where only those were kept) |")
 
 
 def render_table(name: str, results: str = RESULTS) -> str:
