@@ -68,20 +68,24 @@ class Result:
         return self.generated.split(" ")[0] if self.generated else "undated"
 
 
-def load(name: str, results: str = RESULTS, _cache: dict = {}) -> Result:  # noqa: B006
+_LOADED: dict[tuple[str, int], Result] = {}  # (path, mtime): a file rewritten is read again
+
+
+def load(name: str, results: str = RESULTS) -> Result:
+    """The results file ``results/{name}.json``; its date from the file, else from its ``.md``."""
     path = os.path.join(results, f"{name}.json")
     try:
         stamp = os.stat(path).st_mtime_ns
     except OSError as exc:
         raise FigureError(f"no results file {path}") from exc
     key = (path, stamp)
-    if key not in _cache:
+    if key not in _LOADED:
         with open(path) as f:
             data = json.load(f)
         generated = data.get("generated") or _generated_in(os.path.join(results, f"{name}.md")) or ""
-        _cache[key] = Result(name, generated, data.get("environment", {}), data.get("conditions", {}),
+        _LOADED[key] = Result(name, generated, data.get("environment", {}), data.get("conditions", {}),
                              bool(data.get("quick")), data["rows"])
-    return _cache[key]
+    return _LOADED[key]
 
 
 def _generated_in(md_path: str) -> str | None:
@@ -336,8 +340,6 @@ def _others() -> None:
                                              param_mb=32.0, transport="pool/jaxtransport")
     FIGURES["rollouts.queue.vs_pool"] = Derived(("rollouts.queue.jt.steps", "rollouts.queue.pool.steps"),
                                                 lambda a, b: a / b, "x2")
-    FIGURES["rollouts.pool.transport_share.stock"] = Derived(
-        ("rollouts.pool.stock.transport_s", "rollouts.pool.stock.wall_s"), lambda a, b: a / b, "pct")
     FIGURES["rollouts.pool.stock.transport_s"] = F("rollouts", "transport_s", "s", name="rollouts-pool",
                                                    param_mb=32.0, transport="stock")
     FIGURES["rollouts.pool.stock.wall_s"] = F("rollouts", "seconds", "s", name="rollouts-pool",
