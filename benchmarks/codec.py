@@ -105,15 +105,17 @@ def run(quick: bool = False) -> list[dict]:
                 jt.unregister()
 
         big = size >= 256 * MiB
-        t_default = timeit(default, reps, warmup=0 if big else 1)[0]
-        results = {
-            "jax-default": t_default,
-            "jt-dumps-loads": timeit(oob, reps)[0],
-            "jt-one-copy": timeit(one_copy, reps)[0],
-            "jt-registered-inband": timeit(registered, reps, warmup=0 if big else 1)[0],
-            "memcpy": memcpy,
+        # (median, min, max) of each: every row keeps its runs and spread.
+        timings = {
+            "jax-default": timeit(default, reps, warmup=0 if big else 1),
+            "jt-dumps-loads": timeit(oob, reps),
+            "jt-one-copy": timeit(one_copy, reps),
+            "jt-registered-inband": timeit(registered, reps, warmup=0 if big else 1),
+            "memcpy": (memcpy, None, None),
         }
-        for transport, sec in results.items():
+        t_default = timings["jax-default"][0]
+        for transport, (sec, lo, hi) in timings.items():
+            extra = {} if lo is None else {"min": lo, "max": hi, "reps": reps}
             rows.append(
                 row(
                     "codec",
@@ -122,6 +124,7 @@ def run(quick: bool = False) -> list[dict]:
                     sec,
                     x_memcpy=sec / memcpy if memcpy > 0 else float("nan"),
                     speedup_vs_default=t_default / sec if sec > 0 else float("inf"),
+                    **extra,
                 )
             )
         del x, recv

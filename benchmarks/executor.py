@@ -51,7 +51,7 @@ def run(quick: bool = False) -> list[dict]:
             base = statistics.median(times["jaxtransport.Pool"])
             for k, ts in times.items():
                 med = statistics.median(ts)
-                rows.append(_common.row(name, size, k, med, ratio=base / med, min_s=min(ts), max_s=max(ts)))
+                rows.append(_common.row(name, size, k, med, ratio=base / med, min_s=min(ts), max_s=max(ts), reps=len(ts)))
                 print(f"{name:18s} {k:24s} {med * 1e3:8.3f} ms (min {min(ts) * 1e3:.3f}, max {max(ts) * 1e3:.3f})"
                       f"  {base / med:.2f}x Pool")
     return rows

@@ -83,7 +83,8 @@ def run(rev: str = DEFAULT_REV, rounds: int = 3) -> list[dict]:
             per = [d[name_size] for d in got[key]]
             jt = statistics.median(p["jt"] for p in per)
             rows.append(_common.row(name, int(size), labels[key], jt, ratio=mp / jt, rounds=len(per),
-                                    vs_memcpy=statistics.median(p["vs_memcpy"] for p in per)))
+                                    vs_memcpy=statistics.median(p["vs_memcpy"] for p in per),
+                                    min=min(p["jt"] for p in per), max=max(p["jt"] for p in per)))
         _common.print_table(rows[-4:], ["name", "size_bytes", "transport", "seconds", "vs_memcpy", "ratio"])
     return rows
 

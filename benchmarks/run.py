@@ -17,7 +17,9 @@ panel divides by), ``LABELS``, ``ANNOTATE``, ``NO_SPEEDUP``, ``PLOT_TITLES``, ``
 ``plot_rows(rows)``.
 
 ``--replot`` rewrites the tables and plots from the saved ``<name>.json`` without measuring
-(the tables keep the date of the run). A module that is missing, lacks ``run``, or raises is
+(the tables keep the date of the run). Writing the published results (``--publish``) ends by
+rewriting every figure the README and ``docs/`` quote from them (:mod:`benchmarks.figures`);
+``--render`` (or ``python -m benchmarks.publish``) does only that. A module that is missing, lacks ``run``, or raises is
 reported and skipped; the others still run and the exit status is 1.
 """
 
@@ -353,11 +355,43 @@ def _generated_in(md_path: str) -> str | None:
     return None
 
 
+def conditions() -> dict:
+    """What the machine was doing: the 1-minute load average, and a warm 256 MiB memcpy's speed
+    (on shared VMs it moved 2x between days; a ratio against memcpy survives that, an absolute
+    time does not)."""
+    out: dict[str, Any] = {"usable_cores": _common.usable_cores()}
+    try:
+        out["loadavg"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        out["loadavg"] = None
+    try:
+        out["memcpy_gbps"] = round(256 * _common.MiB / _common.warm_memcpy(256 * _common.MiB, 5) / 1e9, 2)
+    except MemoryError:
+        out["memcpy_gbps"] = None
+    return out
+
+
+def with_spread(rows: list[dict]) -> list[dict]:
+    """Each row with ``spread_pct``, ``(max - min) / median`` of its repetitions in percent, where
+    the row keeps them (:func:`benchmarks.figures.spread_of` reads every form the modules store)."""
+    from .figures import spread_of
+
+    out = []
+    for r in rows:
+        s = spread_of(r) if "spread_pct" not in r else None
+        out.append(dict(r, spread_pct=round(s * 100, 1)) if s is not None else r)
+    return out
+
+
 def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, seconds: float,
-                  quick: bool, info: dict | None = None, generated: str | None = None) -> None:
-    """Targets, ``<name>.png``, ``<name>.md`` and ``<name>.json`` (the raw rows).
+                  quick: bool, info: dict | None = None, generated: str | None = None,
+                  before: dict | None = None, after: dict | None = None) -> None:
+    """Targets, ``<name>.png``, ``<name>.md`` and ``<name>.json`` (the raw rows, each with its
+    ``spread_pct`` where it has repetitions; the file with the date, the environment and the
+    machine's conditions ``before`` and ``after`` the run).
     ``generated``: when the rows were measured (default: now)."""
     generated = generated or _now()
+    rows = with_spread(rows)
     targets: list[str] = []
     check = getattr(module, "check_targets", None)
     if callable(check):
@@ -378,7 +412,11 @@ def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, second
         plotted = False
     info = info or _common.env_info()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"environment": info, "quick": quick, "seconds": seconds,
+        cond = {}
+        if before:
+            cond = {"loadavg_before": before.get("loadavg"), "loadavg_after": (after or {}).get("loadavg"),
+                    "memcpy_gbps": before.get("memcpy_gbps"), "usable_cores": before.get("usable_cores")}
+        json.dump({"environment": info, "conditions": cond, "quick": quick, "seconds": seconds,
                    "generated": generated, "rows": rows}, f, indent=1, default=str)
     md = os.path.join(out_dir, f"{name}.md")
     with open(md, "w") as f:
@@ -406,13 +444,18 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
                   "to redraw the published results", file=sys.stderr)
             return False
         generated = saved.get("generated") or _generated_in(os.path.join(out_dir, f"{name}.md"))
+        cond = saved.get("conditions") or {}
         write_outputs(name, module, saved["rows"], out_dir, saved["seconds"], saved["quick"],
-                      saved["environment"], generated)
+                      saved["environment"], generated,
+                      {"loadavg": cond.get("loadavg_before"), "memcpy_gbps": cond.get("memcpy_gbps"),
+                       "usable_cores": cond.get("usable_cores")} if cond else None,
+                      {"loadavg": cond.get("loadavg_after")} if cond else None)
         return True
     fn = getattr(module, "run", None)
     if not callable(fn):
         print(f"!! {name}: {modname} has no run(quick) -> list[dict]; skipped", file=sys.stderr)
         return False
+    before = conditions()
     start = time.perf_counter()
     try:
         rows = fn(quick=quick)
@@ -425,7 +468,7 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
         print(f"!! {name}: {modname}.run returned {type(rows).__name__}, not a list of dicts",
               file=sys.stderr)
         return False
-    write_outputs(name, module, rows, out_dir, seconds, quick)
+    write_outputs(name, module, rows, out_dir, seconds, quick, before=before, after=conditions())
     return True
 
 
@@ -462,11 +505,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replot", action="store_true",
                    help="measure nothing: rewrite the tables and plots from the NAME.json "
                    "files in the output folder (with --publish: the published ones)")
+    p.add_argument("--render", action="store_true",
+                   help="measure nothing: rewrite the README's figure table, docs/benchmarks.md's "
+                   "table and every inline figure from the published results (what --publish "
+                   "does last; also python -m benchmarks.publish)")
     return p
+
+
+def render_pages() -> int:
+    """Rewrite every figure in the README and docs/ from the published results files."""
+    from . import figures
+
+    try:
+        changed = figures.render_pages()
+    except figures.FigureError as exc:
+        print(f"!! the pages quote a figure the results no longer hold: {exc}\n   fix "
+              "benchmarks/figures.py (FIGURES, TABLES) and run `python -m benchmarks.publish`",
+              file=sys.stderr)
+        return 1
+    for page in changed:
+        print(f"rewrote figures in {page}")
+    stale = {p: figures.untraced(open(os.path.join(figures.ROOT, p)).read()) for p in figures.pages()}
+    for page, found in stale.items():
+        for line in found:
+            print(f"!! {page}: a figure with no source: {line}", file=sys.stderr)
+    return 1 if any(stale.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.render:
+        return render_pages()
     out = args.out or (RESULTS if args.publish else SCRATCH)
     _common.print_env("jaxtransport benchmarks" + (" (quick)" if args.quick else ""))
     print(f"# output: {out}", flush=True)
@@ -476,10 +545,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if not run_one(name, modname, args.quick, out, replot=args.replot):
             failed.append(name)
+    rendered = 0
+    if os.path.realpath(out) == os.path.realpath(RESULTS):
+        # The pages quote the published results: regenerate them from what was just written.
+        rendered = render_pages()
     if failed:
         print(f"\nfailed or skipped: {', '.join(failed)}", file=sys.stderr)
         return 1
-    return 0
+    return rendered
 
 
 if __name__ == "__main__":

@@ -107,5 +107,27 @@ def _public_target(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     return resolved
 
 
+# Private names that appear in signatures (a default value, an alias in a return annotation),
+# shown as what a user writes instead.
+_SIGNATURE_NAMES = {
+    "_shm.DEFAULT_SHM_THRESHOLD": "1 << 20",
+    "DEFAULT_SHM_THRESHOLD": "1 << 20",
+    "_JtPool": "jaxtransport.Pool",
+}
+
+
+def _public_signature(
+    app: Any, what: str, name: str, obj: Any, options: Any, signature: str | None, return_annotation: str | None
+) -> tuple[str | None, str | None]:
+    def public(text: str | None) -> str | None:
+        if text:
+            for private, shown in _SIGNATURE_NAMES.items():
+                text = text.replace(private, shown)
+        return text
+
+    return public(signature), public(return_annotation)
+
+
 def setup(app: Any) -> None:
     app.connect("missing-reference", _public_target)
+    app.connect("autodoc-process-signature", _public_signature)

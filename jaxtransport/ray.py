@@ -476,8 +476,8 @@ def runtime_env(
     - ``huge_pages`` (default True) adds ``glibc.malloc.hugetlb=1`` to the workers'
       ``GLIBC_TUNABLES`` (after ``base``'s value, else this process's), so that JAX's large
       host buffers get transparent huge pages as numpy's do and results are copied into the
-      object store as fast as numpy arrays (Note [huge pages for JAX buffers] in
-      ``jaxtransport._procenv``). ``huge_pages=False`` leaves malloc alone.
+      object store as fast as numpy arrays (*Huge pages* in the Troubleshooting page).
+      ``huge_pages=False`` leaves malloc alone.
 
     Use it as the job's runtime_env (``ray.init(runtime_env=...)`` or a job submission);
     jaxtransport must be importable in the workers (installed there, or shipped with

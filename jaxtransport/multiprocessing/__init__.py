@@ -86,8 +86,9 @@ __all__ = [
 
 
 def Queue(maxsize: int = 0, **kw: Any) -> _Queue:
-    """A :class:`jaxtransport.multiprocessing._queues.Queue` (see its docstring) on the default
-    context. Keywords: ``shm_threshold`` (bytes, default 1 MiB), ``placement``."""
+    """A queue on the default context: ``multiprocessing.Queue``'s API, with jax/numpy arrays of
+    at least ``shm_threshold`` bytes (default 1 MiB) through shared memory. Keywords:
+    ``shm_threshold``, ``placement``. The class it returns is documented below (``Queue``)."""
     return get_context().Queue(maxsize, **kw)
 
 

@@ -37,7 +37,8 @@ __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 class Queue:
     """``multiprocessing.Queue`` whose jax/numpy arrays of at least ``shm_threshold`` bytes
-    travel through shared memory (see the module docstring).
+    travel through shared memory (smaller ones are pickled into the pipe, as in
+    ``multiprocessing``).
 
     Args:
       maxsize: as multiprocessing (0: unbounded).

@@ -44,7 +44,7 @@ __all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
 
 class Pool:
     """A process pool with ``multiprocessing.Pool``'s API for functions that take and return
-    JAX arrays. See the module docstring for what it adds; costs below.
+    JAX arrays. What it adds to ``multiprocessing.Pool`` is in the Pool guide; costs below.
 
     Args:
       processes: number of workers (default: the CPUs this process may use).

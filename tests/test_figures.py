@@ -1,0 +1,117 @@
+"""One source per figure: the README's figure table, docs/benchmarks.md's table and every inline
+figure agree with the published results files, and no page quotes a measured number that no
+results file holds (benchmarks/figures.py). Fast: reads JSON and Markdown only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+
+from benchmarks import figures
+from benchmarks import run as runner
+
+from .conftest import ROOT
+
+
+def test_every_named_figure_is_exactly_one_row_of_a_published_results_file():
+    for key in figures.FIGURES:
+        figures.value_text(key)  # raises FigureError naming the file and the row
+
+
+@pytest.mark.parametrize("page", figures.pages(ROOT))
+def test_page_agrees_with_the_results_files(page):
+    text = open(os.path.join(ROOT, page)).read()
+    rendered = figures.render_text(text)
+    assert rendered == text, (
+        f"{page} quotes figures that differ from benchmarks/results/: run `python -m benchmarks.publish`"
+    )
+
+
+@pytest.mark.parametrize("page", figures.pages(ROOT))
+def test_page_quotes_no_figure_without_a_source(page):
+    found = figures.untraced(open(os.path.join(ROOT, page)).read())
+    assert not found, (
+        f"{page}: measured-looking numbers outside a figure (tag them <!--fig KEY--> with a key of "
+        "benchmarks/figures.py FIGURES, or remove them):\n" + "\n".join(found)
+    )
+
+
+def test_the_readme_table_is_generated_and_every_row_says_runs_and_spread():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("<!-- figures:readme begin -->", 1)[1].split("<!-- figures:readme end -->", 1)[0]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(figures.README_ROWS)
+    for line in rows:
+        source = line.rstrip(" |").rsplit(" | ", 1)[1]
+        assert ".json`, 20" in source and ("run" in source), line
+
+
+def test_a_changed_result_makes_the_pages_stale(tmp_path):
+    """The check can fail: change one published value and the README no longer agrees."""
+    results = tmp_path / "results"
+    shutil.copytree(figures.RESULTS, results, ignore=shutil.ignore_patterns("*.png", "scratch"))
+    data = json.loads((results / "pool.json").read_text())
+    for row in data["rows"]:
+        if row["name"] == "argument" and row["size_bytes"] == 1 << 30 and row["transport"] == "jaxtransport.Pool":
+            row["ratio"] *= 2
+    (results / "pool.json").write_text(json.dumps(data))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert figures.render_text(readme, str(results)) != readme
+    assert figures.render_text(readme) == readme
+
+
+def test_untraced_numbers_are_found_outside_figures_and_code():
+    text = (
+        "It is 3.5x faster, moves 1.2 GB/s and takes 0.45 s (~2 ms).\n"
+        "`9.9x in code` and <!--fig pool.arg.1g.ratio-->51x (pool, 2026-12-03)<!--/fig--> are fine; "
+        "84x84 frames, threefry2x32, 50 ms and 25% are not measurements.\n"
+    )
+    found = " ".join(figures.untraced(text))
+    for quoted in ("'3.5x'", "'1.2 GB/s'", "'0.45 s'", "'~2'"):
+        assert quoted in found
+    for fine in ("9.9x", "51x", "84x", "2x32", "50 ms", "25%"):
+        assert f"'{fine}'" not in found
+
+
+def test_an_inline_figure_never_starts_a_line():
+    """A line that starts with ``<!--`` is an HTML block in CommonMark (GitHub, MyST): the rest of
+    the line would show its Markdown unrendered."""
+    found = figures.untraced("some text\n<!--fig pool.arg.1g.ratio-->51x (pool, 2026-12-03)<!--/fig--> `code`\n")
+    assert len(found) == 1 and "starts with an inline figure" in found[0]
+
+
+def test_a_missing_row_or_figure_is_an_error_that_names_it():
+    with pytest.raises(figures.FigureError, match="no figure named"):
+        figures.render_text("<!--fig no.such.figure-->1x<!--/fig-->")
+    bad = figures.F("pool", "ratio", "x", name="argument", size=3, transport="jaxtransport.Pool")
+    with pytest.raises(figures.FigureError, match="0 rows match"):
+        bad.value()
+
+
+def test_runs_and_spread_are_read_from_every_form_the_benchmarks_store():
+    assert figures.spread_of({"seconds": 2.0, "min": 1.0, "max": 3.0}) == 1.0
+    assert figures.spread_of({"seconds": 2.0, "spread": 0.5}) == 0.5  # half the range, in seconds
+    assert figures.spread_of({"round_ratios": "1.0 2.0 3.0"}) == 1.0
+    assert figures.spread_of({"seconds": 1.0}) is None
+    assert figures.runs_of({"reps": 7}) == 7 and figures.runs_of({"rounds": 3}) == 3
+    assert figures.runs_of({}) is None
+
+
+def test_the_runner_records_date_conditions_runs_and_spread(tmp_path):
+    pytest.importorskip("matplotlib")
+    mod = types.ModuleType("fake")
+    mod.__doc__ = "fake: a question?"
+    rows = [{"name": "a", "size_bytes": 8, "transport": "t", "seconds": 2.0, "min": 1.0, "max": 3.0, "reps": 5}]
+    before, after = {"loadavg": 0.5, "memcpy_gbps": 10.0, "usable_cores": 2}, {"loadavg": 0.7}
+    runner.write_outputs("fake", mod, rows, str(tmp_path), 1.0, False, before=before, after=after)
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["generated"].endswith("UTC")
+    assert data["conditions"] == {"loadavg_before": 0.5, "loadavg_after": 0.7, "memcpy_gbps": 10.0,
+                                  "usable_cores": 2}
+    assert data["rows"][0]["spread_pct"] == 100.0 and data["rows"][0]["reps"] == 5
+    cond = runner.conditions()
+    assert set(cond) == {"usable_cores", "loadavg", "memcpy_gbps"}
