@@ -25,10 +25,13 @@ NEWEST_PYTHON ?= $(lastword $(sort $(wildcard $(PYENV_VERSIONS)/3.13*/bin/python
 FLOOR_PYTHON ?= $(lastword $(sort $(wildcard $(PYENV_VERSIONS)/3.10*/bin/python)))
 NEWEST_VENV := .venv-newest
 FLOOR_VENV := .venv-floor
-# The subset run at both ends: every codec path, registration, pickling, the Pool and Ray.
+# The subset run at both ends: every codec path, registration, pickling, the Pool and Ray, and
+# CPython's own tests from that Python's test package (FailingInitializerResourcesTest exists from
+# 3.13 on: it runs only at the newest end).
 # (The rollouts demo, Docker files, benchmarks and the multi-node Ray cluster run on the main venv.)
 RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py tests/test_pool.py \
-	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py
+	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py \
+	tests/test_cpython_compat.py
 
 .PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs
 

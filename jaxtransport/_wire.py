@@ -13,7 +13,8 @@ Used from above by the Pool (``pool/``: tasks, results, SharedTrees) and by
   peer's own slot (no copy). The result, an :class:`Encoded`, is what travels.
 - receiving: :func:`decode` rebuilds the object once; :class:`Held` holds the slots of an object
   rebuilt many times (a SharedTree, once per task). Array entries alias the received slot (Note
-  [slot lifetime] in ``_shm``).
+  [slot lifetime] in ``_shm``). :func:`standalone` makes of a received message one pickle that
+  needs no shared memory (its arrays copied in), which :func:`loads` (or any unpickler) rebuilds.
 - :func:`function_blob`: a task's function, pickled once for many chunks.
 
 Entries travel as plain tuples ``(kind, *fields)`` and are read back as the records of
@@ -39,7 +40,7 @@ from ._nojax import jax_loaded
 from ._pickling import PICKLE_PROTOCOL
 from ._shm import ALIGN, Arena, Handle, Mapper
 
-__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "prepare"]
+__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "loads", "prepare", "standalone"]
 
 
 class Encoded:
@@ -590,3 +591,70 @@ def decode(
     finally:
         holders.clear()
         parsed.clear()
+
+
+def loads(data: bytes, placement: str) -> Any:
+    """Unpickle ``data``, a pickle without shared-memory entries (what :func:`standalone` or
+    ``prepare`` made, or any other), its arrays placed under ``placement``. Raises what
+    ``pickle.loads`` raises for bytes that are no pickle (``UnpicklingError``, ``EOFError``, ...)."""
+    return _unpickle(data, placement, ())
+
+
+class _Standalone:
+    """A message with its arrays copied in, on its way into a pickle (see :func:`standalone`)."""
+
+    __slots__ = ("data", "objects")
+
+    def __init__(self, data: bytes, objects: list):
+        self.data, self.objects = data, objects
+
+    def __reduce__(self):
+        return _rebuild_standalone, (self.data, self.objects)
+
+
+class _JaxBytes:
+    """A jax.Array's metadata and buffers (views of a slot) pickled as ``jt.dumps`` pickles
+    one, buffers in-band: ``_pickling``'s reducer format, so JAX is not needed to write it."""
+
+    __slots__ = ("buffers", "meta")
+
+    def __init__(self, meta: tuple, buffers: list):
+        self.meta, self.buffers = meta, buffers
+
+    def __reduce__(self):
+        return _pickling.rebuild_array_function(), (self.meta, *[_pickling.raw(b) for b in self.buffers])
+
+
+def _rebuild_standalone(data: bytes, objects: list) -> Any:
+    """Reconstructor written by :func:`standalone` (its import path is part of those bytes)."""
+    return _unpickle(data, _pickling.current_placement(), objects)
+
+
+def standalone(data: bytes, entries: list, view: Callable[[Handle], Any]) -> bytes:
+    """The message ``data`` + ``entries`` as one pickle that needs no shared memory: each array's
+    bytes copied in from ``view(handle)`` (a buffer over that slot). ``pickle.loads`` rebuilds
+    the object from it wherever jaxtransport is importable (a jax.Array as ``jt.loads`` would,
+    placed by the current placement: :func:`loads` sets it). JAX is not imported here. Cost: one
+    copy of every array into the bytes. CorruptTransferError / ShmHandleError for a bad entry."""
+    objects: list = []
+    try:
+        for e in entries:
+            rec = _entries.parse_entry(e)
+            if type(rec) is _entries.NpEntry:
+                objects.append(_build("np", (rec.dtype, rec.shape), view(rec.handle), rec.handle, "host", False))
+            elif type(rec) is _entries.JaxEntry:
+                raw = np.frombuffer(view(rec.handle), np.uint8, count=rec.handle.nbytes)
+                bufs = []
+                for off, n in rec.layout:
+                    if off < 0 or n < 0 or off + n > rec.handle.nbytes:
+                        raise ShmHandleError(
+                            f"Bad shared-memory handle {rec.handle!r}: buffer [{off}, {off + n}) is outside "
+                            "it (truncated)"
+                        )
+                    bufs.append(raw[off : off + n])
+                objects.append(_JaxBytes(tuple(rec.meta), bufs))
+            else:
+                raise CorruptTransferError(f"Corrupt message: a {type(rec).__name__} where only arrays can be")
+        return pickle.dumps(_Standalone(data, objects), protocol=PICKLE_PROTOCOL)
+    finally:
+        objects.clear()  # no view of the slots outlives the call (the caller may unmap them)

@@ -1,14 +1,15 @@
 """Shared fixtures: OS-level leak checks after every test, helpers for fresh interpreters.
 
-Leak check (torch's test_multiprocessing habit): after each test no new entry may remain in
-/dev/shm and no child process of the test process may survive. Tests marked ``ray`` share a
-session-scoped Ray cluster whose processes outlive single tests, so they are exempt from the
-child-process half of the check.
+Leak check (torch's test_multiprocessing habit): after each test no new entry that the test
+could have made may remain in /dev/shm (Note [shm leak check]) and no child process of the test
+process may survive. Tests marked ``ray`` share a session-scoped Ray cluster whose processes
+outlive single tests, so they are exempt from the child-process half of the check.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,11 +25,61 @@ SHM = "/dev/shm"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Note [shm leak check]
+# /dev/shm is shared by every program on the machine (a joblib job elsewhere leaves its
+# joblib_memmapping_folder_* there while it runs), so the leak check counts only a new entry
+# that jaxtransport or the test's own processes could have made:
+# - a name starting with one of OWN_SHM_PREFIXES: jaxtransport's own names, whoever made them.
+#   Its segments are memfds with no name on Linux; a named segment (a platform without
+#   memfd_create) must start with one of these, so that a leak of one fails the suite;
+# - a name of a library the suite drives that carries its creator's pid (PID_SHM_NAMES), when
+#   that pid is the test process or a live process below it.
+# Anything else (another program's, or another test run's on the same machine) is ignored.
+# Semaphores (sem.*) are the resource tracker's to report, not this check's.
+OWN_SHM_PREFIXES: tuple[str, ...] = ("jaxtransport",)
+PID_SHM_NAMES = (
+    re.compile(r"joblib_memmapping_folder_(?P<pid>\d+)_"),  # joblib/loky memory-mapped arguments
+    re.compile(r"pym-(?P<pid>\d+)-"),  # multiprocessing.heap's arenas (unlinked as soon as made)
+    re.compile(r"torch_(?P<pid>\d+)_"),  # torch.multiprocessing's file_system strategy
+)
+
+
 def shm_entries() -> set[str]:
     try:
         return {e for e in os.listdir(SHM) if not e.startswith(("sem.", "."))}
     except FileNotFoundError:
         return set()
+
+
+def _ancestors(pid: int) -> set[int]:
+    """``pid`` and the processes above it (read from /proc; empty when it is gone)."""
+    out: set[int] = set()
+    while pid > 1 and pid not in out:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            break
+        out.add(pid)
+        pid = int(fields[1])
+    return out
+
+
+def shm_leaks(before: set[str], after: set[str], me: int | None = None) -> set[str]:
+    """The entries of ``after`` not in ``before`` that jaxtransport or process ``me`` (default:
+    this one) and the processes below it could have made (Note [shm leak check])."""
+    me = os.getpid() if me is None else me
+    leaks = set()
+    for name in after - before:
+        if name.startswith(OWN_SHM_PREFIXES):
+            leaks.add(name)
+            continue
+        for pattern in PID_SHM_NAMES:
+            m = pattern.match(name)
+            if m is not None and me in _ancestors(int(m.group("pid"))):
+                leaks.add(name)
+                break
+    return leaks
 
 
 def memfd_mapped(address: int) -> bool:
@@ -128,7 +179,7 @@ def no_leaks(request):
 
     def shm_clean():
         nonlocal leaked_shm
-        leaked_shm = shm_entries() - before_shm
+        leaked_shm = shm_leaks(before_shm, shm_entries())
         return not leaked_shm
 
     assert wait_until(shm_clean, 10), f"test leaked /dev/shm entries: {sorted(leaked_shm)}"

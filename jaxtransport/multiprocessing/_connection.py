@@ -15,6 +15,7 @@ import time
 from multiprocessing import reduction as _reduction
 from typing import Any
 
+from .. import _wire
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 from ._sockets import check_options, socket_from, socketpair, take_packet, wait_readable
@@ -132,16 +133,21 @@ class Connection:
 
     def recv(self) -> Any:
         """The next object sent from the other end (blocks). EOFError once the other end is
-        closed and nothing is left."""
+        closed and nothing is left. A message sent with ``send_bytes`` is unpickled, as the
+        stock module's ``recv`` does (so an echo peer's ``send_bytes(recv_bytes())`` gives back
+        the object); bytes that are no pickle raise what ``pickle.loads`` raises for them
+        (``pickle.UnpicklingError``, ``EOFError``, ...), as there."""
         obj = self._recv()
-        return obj.data if isinstance(obj, _Bytes) else obj
+        if isinstance(obj, _Bytes):
+            return _wire.loads(obj.data, self._placement)
+        return obj
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
         """The next message's bytes: what ``send_bytes`` sent, or, for a message sent with
-        ``send()``, its pickle (as the stock module: ``pickle.loads`` rebuilds the object, and
-        an echo peer may answer with ``send_bytes``). A ``send()`` message that carries arrays
-        in shared memory has no such bytes: TransportError (its memory is given back), use
-        ``recv()``. Nothing is unpickled here."""
+        ``send()``, a pickle of it (as the stock module: ``pickle.loads`` rebuilds the object,
+        and an echo peer may answer with ``send_bytes``, which ``recv()`` unpickles). The arrays
+        a ``send()`` put in shared memory are copied into those bytes (one copy) and their
+        memory given back at once. Nothing is unpickled here, and JAX is not imported."""
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
         data = _bytes_of(self._recv(raw=True))

@@ -550,9 +550,10 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     closed, its slots released).
 
     ``raw`` (``Connection.recv_bytes``): return the message's pickle (bytes) without unpickling
-    it, as the stock ``recv_bytes`` returns a ``send()``'s bytes; a message whose arrays are in
-    shared memory has no such bytes (the pickle only names slots): its slots are given back at
-    once and TransportError says to use ``recv()``."""
+    it, as the stock ``recv_bytes`` returns a ``send()``'s bytes. A message whose arrays are in
+    shared memory comes back as one pickle with the arrays' bytes copied in (``_wire.standalone``:
+    ``pickle.loads`` rebuilds the object, as from the stock module's bytes), and its slots are
+    given back at once."""
     try:
         rec = pickle.loads(packet)
         magic, key, data, entries, segs, blob, live, bundled = rec
@@ -603,17 +604,13 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
                 _write_release(m, t)
             raise
         if raw:
-            for t in tokens:  # no holder: each claimed slot goes back now
-                _write_release(m, t)
-            _forget_dropped(c, key, m, live)
-            if entries:
-                raise TransportError(
-                    f"recv_bytes() got a message sent with send() that carries {len(entries)} object(s) "
-                    "in shared memory (arrays of at least shm_threshold bytes, or a SharedTree): its "
-                    "bytes only name shared-memory slots of the sender, so they cannot be returned as "
-                    "bytes. Receive such messages with recv(); the message is dropped and its memory "
-                    "given back to the sender."
-                )
+            try:
+                if entries:
+                    data = _wire.standalone(data, entries, lambda h: _slot_view(m, h))
+            finally:
+                for t in tokens:  # no holder: each claimed slot goes back now
+                    _write_release(m, t)
+                _forget_dropped(c, key, m, live)
             return data
         releases = {tuple(h): t for h, t in zip(handles, tokens)}
         try:
@@ -661,6 +658,12 @@ def _claim(m: _shm.Mapper, h, c: _Consumer):
     serial = struct.unpack_from("<Q", mm, hoff)[0]
     struct.pack_into("<QQ", mm, hoff + 16, c.pid, c.start)
     return (seg_id, hoff, serial)
+
+
+def _slot_view(m: _shm.Mapper, h) -> memoryview:
+    """The bytes of slot ``h`` (already claimed, so within its segment) as a memoryview."""
+    seg_id, off, nbytes, _gen = (int(x) for x in h)
+    return memoryview(m.mapping(seg_id))[off : off + nbytes]
 
 
 class _Claimed:

@@ -90,6 +90,12 @@ class Engine:
         self.devices_per_worker = devices_per_worker
         self.gpus = _procenv.gpu_ids()
         # Pickled anew as each worker starts, like the stock pools' initargs (Note [initargs]).
+        # Note [initargs dropped]: once the pool can start no worker again (broken, terminated,
+        # or joined), it lets go of the initializer and its arguments, under the lock that the
+        # manager holds while it checks the flags and starts a replacement. They are the
+        # caller's objects: a multiprocessing.Queue among them owns three named semaphores,
+        # unlinked only when the last reference goes, and the engine may live on in a cycle
+        # (its manager, its tree book) until the cyclic collector runs (python/cpython#104090).
         self.init_call = None if initializer is None else InitCall(initializer, initargs)
         self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
         self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
@@ -427,8 +433,11 @@ class Engine:
             return
         with self.lock:
             victims = self.scheduler.take_all(self.workers)
+            self.init_call = None  # Note [initargs dropped]
         for chunk in victims:
-            self.fail_chunk(chunk, err)
+            # A copy for the callers: the instance the pool keeps is never raised, so a caller's
+            # frames (which raising adds to an exception's traceback) never hang off the pool.
+            self.fail_chunk(chunk, _own_copy(err))
         self.kill_workers()
         self.wake()
 
@@ -470,6 +479,7 @@ class Engine:
             return
         with self.lock:
             victims = self.scheduler.take_all(self.workers)
+            self.init_call = None  # Note [initargs dropped]
         self.kill_workers()
         self.wake()
         err = PoolTerminatedError(
@@ -478,7 +488,7 @@ class Engine:
         )
         for chunk in victims:
             try:
-                self.fail_chunk(chunk, err)
+                self.fail_chunk(chunk, _own_copy(err))
             except Exception:
                 pass
         me = threading.current_thread()
@@ -495,6 +505,7 @@ class Engine:
             self._released = True
             workers = list(self.workers)
             self.workers.clear()
+            self.init_call = None  # Note [initargs dropped]
         for w in workers:
             close_worker(w)
         self.callbacks.close()
@@ -506,6 +517,20 @@ class Engine:
             except OSError:
                 pass
         _LIVE.discard(self)
+
+
+def _own_copy(err: BaseException) -> BaseException:
+    """``err`` anew (same class, arguments and cause; jaxtransport's errors pickle, so they copy),
+    or ``err`` itself when it cannot be copied."""
+    import copy
+
+    try:
+        dup = copy.copy(err)
+    except Exception:  # noqa: BLE001 - a class that does not copy: the original, as before
+        return err
+    dup.__traceback__ = None
+    dup.__cause__ = err.__cause__
+    return dup
 
 
 def terminate_unreferenced(engine: Engine) -> None:

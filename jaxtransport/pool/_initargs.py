@@ -6,7 +6,13 @@ The parent wraps them in an :class:`InitCall` (``_processes`` puts it in the wor
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
+from multiprocessing.reduction import ForkingPickler
+
+from .._pickling import PICKLE_PROTOCOL
+from .._usercode import Pickler
 
 __all__ = ["InitCall", "dumps_for_child", "loads_in_child"]
 
@@ -49,41 +55,52 @@ class InitCall:
 _INHERITED_MODULES = ("multiprocessing.", "jaxtransport.multiprocessing.")
 
 
+class _ChildPickler(Pickler):
+    """jaxtransport's pickler leaving ``multiprocessing`` objects out as persistent ids (Note
+    [initargs]). One class for every call, not a class per call: a class lives in a reference
+    cycle, and one made per call would keep what its methods close over (the caller's Queue,
+    with its named semaphores) until the cyclic collector runs (python/cpython#104090)."""
+
+    def __init__(self, file, inherited: list, mp_only: set):
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.inherited: list | None = inherited
+        self.mp_only = mp_only
+
+    def persistent_id(self, o):
+        t = type(o)
+        if t in self.mp_only or t.__module__.startswith(_INHERITED_MODULES):
+            self.inherited.append(o)  # type: ignore[union-attr]
+            return len(self.inherited) - 1  # type: ignore[arg-type]
+        return None
+
+
 def dumps_for_child(obj, inherited: list) -> bytes:
     """``obj`` pickled by jaxtransport's pickler, its ``multiprocessing`` objects appended to
-    ``inherited`` instead (Note [initargs]); :func:`loads_in_child` rebuilds it."""
-    import copyreg
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    from .._pickling import PICKLE_PROTOCOL
-    from .._usercode import Pickler
-
+    ``inherited`` instead (Note [initargs]); :func:`loads_in_child` rebuilds it. The pickler
+    keeps no reference to ``obj`` or ``inherited`` afterwards."""
     # ForkingPickler's public per-instance table: copyreg's plus multiprocessing's own reducers.
     mp_table = ForkingPickler(io.BytesIO()).dispatch_table
     mp_only = {t for t, r in mp_table.items() if copyreg.dispatch_table.get(t) is not r}
-
-    class _ChildPickler(Pickler):
-        def persistent_id(self, o):
-            t = type(o)
-            if t in mp_only or t.__module__.startswith(_INHERITED_MODULES):
-                inherited.append(o)
-                return len(inherited) - 1
-            return None
-
     f = io.BytesIO()
-    _ChildPickler(f, protocol=PICKLE_PROTOCOL).dump(obj)
+    pickler = _ChildPickler(f, inherited, mp_only)
+    try:
+        pickler.dump(obj)
+    finally:
+        pickler.inherited = None
+        pickler.clear_memo()
     return f.getvalue()
+
+
+class _ChildUnpickler(pickle.Unpickler):
+    def __init__(self, file, inherited: list):
+        super().__init__(file)
+        self.inherited = inherited
+
+    def persistent_load(self, pid):
+        return self.inherited[pid]
 
 
 def loads_in_child(payload):
     """What :class:`InitCall` became in the worker: ``(initializer, initargs)``."""
-    import io
-
     blob, inherited = payload
-
-    class _ChildUnpickler(pickle.Unpickler):
-        def persistent_load(self, pid):
-            return inherited[pid]
-
-    return _ChildUnpickler(io.BytesIO(blob)).load()
+    return _ChildUnpickler(io.BytesIO(blob), inherited).load()

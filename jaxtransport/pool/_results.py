@@ -147,7 +147,12 @@ class AsyncResult:
             raise multiprocessing.TimeoutError
         if self._ok:
             return self._value
-        raise self._value
+        try:
+            raise self._value
+        finally:
+            # Raising adds this frame to the exception's traceback: without ``self`` in it, the
+            # exception and this result are no reference cycle (as concurrent.futures does).
+            self = None  # type: ignore[assignment]
 
     def _set(self, ok: bool, value: Any, run_callbacks: bool = True) -> None:
         if self._done:
