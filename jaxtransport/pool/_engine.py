@@ -104,7 +104,6 @@ class Engine:
         self.trees = TreeBook(self)
         self.chunk_ids = itertools.count()
         self.serials = itertools.count()
-        self.early_deaths = 0
         self.tls = threading.local()
         self.space = _lockorder.condition("Engine.space")  # imap feeding backpressure
         self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)

@@ -9,6 +9,9 @@ loop breaks the pool with that error instead of leaving its callers waiting.
 
 Handlers, one per message kind: ``on_result``, ``on_release``, ``on_forget``, ``on_ready``,
 ``on_leaving``, ``on_garbled``; and ``worker_exited`` for a process that ended.
+
+The manager does not know the engine that owns it: it is given a :class:`Books` (the books
+it reads and changes under their lock, and the few actions it asks for), which the engine is.
 """
 
 from __future__ import annotations
@@ -18,17 +21,17 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from .. import _shm, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
+from .._shm import Handle
 from . import _protocol
-from ._lifecycle import MAX_EARLY_DEATHS
+from ._lifecycle import MAX_EARLY_DEATHS, Lifecycle
 from ._processes import WorkerRec, close_worker, diagnose_start, signal_name
 from ._protocol import RELEASE_FLUSH_S
-
-if TYPE_CHECKING:  # the Engine owns the Manager; only its type is named here
-    from ._engine import Engine
+from ._scheduler import Chunk, Scheduler
+from ._trees import TreeBook
 
 INIT_EXIT_GRACE_S = 2.0  # how long a worker whose initializer failed may take to exit by itself
 
@@ -51,12 +54,71 @@ def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
     return exc
 
 
+class Books(Protocol):
+    """What the manager reads and asks of the part that owns it (the engine, ``_engine``): the
+    books under ``lock`` (the scheduler, the worker list, the tree book), the arena, the flags,
+    the wake pipe's read end, and the actions below. The manager never names the engine's type."""
+
+    @property
+    def lock(self) -> Any: ...  # the engine's RLock over the books
+    @property
+    def flags(self) -> Lifecycle: ...
+    @property
+    def workers(self) -> list[WorkerRec]: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def arena(self) -> _shm.Arena: ...
+    @property
+    def trees(self) -> TreeBook: ...
+    @property
+    def wake_r(self) -> int: ...
+    @property
+    def placement(self) -> str: ...
+
+    def dispatch(self) -> None:
+        """Lock held: hand pending chunks to the workers that may take them."""
+
+    def finish_chunk(self, chunk: Chunk, ok: bool, value: Any) -> None:
+        """Complete a chunk's result (no lock held)."""
+
+    def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
+        """Release a chunk's slots and fail its result (no lock held)."""
+
+    def break_pool(self, err: BaseException, cause: BaseException | None = None) -> None:
+        """Fail every unfinished task and stop the workers."""
+
+    def start_worker(self, index: int) -> WorkerRec:
+        """A new worker process in place ``index`` (lock held)."""
+
+    def worker_environ(self, index: int) -> dict:
+        """The environment worker ``index`` starts with."""
+
+    def stalled(self, now: float) -> bool:
+        """A hint, without the lock: may chunks wait behind a stalled one while a worker idles?"""
+
+    def take_back(self) -> int:
+        """Move chunks a stalled worker has not started to idle workers (takes the lock)."""
+
+    def resume(self, w: WorkerRec) -> None:
+        """``w``, held back after a take-back, showed it runs (takes the lock)."""
+
+    def own_holder(self, handle: Handle) -> Any:
+        """A holder over one of the parent's own slots that a worker sent back."""
+
+
+# How often the loop looks for stalled workers at most (a scan over all of them; a take-back
+# waits STALL_S anyway).
+STALL_CHECK_S = 0.01
+
+
 class Manager:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Books):
         self.engine = engine
         self.thread = threading.Thread(target=self.run, name="jaxtransport-pool-manager", daemon=True)
         self.last_flush = 0.0
         self.finished_any = False
+        self.early_deaths = 0  # workers in a row that died before they were ready
 
     def start(self) -> None:
         self.thread.start()
@@ -216,7 +278,7 @@ class Manager:
         engine = self.engine
         if msg.ok:
             w.ready = True
-            engine.early_deaths = 0
+            self.early_deaths = 0
             return
         exc = rebuild_error(msg.error)
         # The worker exits by itself once it has said so: let it (bounded), so that what its
@@ -301,21 +363,21 @@ class Manager:
         spawn_error = None
         with engine.lock:
             if not w.ready and w.fault is None:
-                engine.early_deaths += 1
+                self.early_deaths += 1
             if engine.flags.stopped:
                 return
-            if engine.early_deaths < MAX_EARLY_DEATHS and not (
+            if self.early_deaths < MAX_EARLY_DEATHS and not (
                 engine.flags.closed and engine.scheduler.idle(engine.workers)
             ):
                 try:
                     engine.workers.append(engine.start_worker(w.index))
                 except Exception as e:  # noqa: BLE001
-                    engine.early_deaths = MAX_EARLY_DEATHS
+                    self.early_deaths = MAX_EARLY_DEATHS
                     spawn_error = e
                 else:
                     engine.dispatch()
                     return
-        if engine.early_deaths >= MAX_EARLY_DEATHS:
+        if self.early_deaths >= MAX_EARLY_DEATHS:
             if spawn_error is None and not w.reached_worker_code():
                 # It died running the main script as __mp_main__: show why (no lock held).
                 why = "It died while starting up, before any jaxtransport code ran in it. " + diagnose_start(
