@@ -296,7 +296,9 @@ def main(argv=None) -> None:
     tasks = tuple(float(t) for t in args.tasks.split(",") if t)
     if bad or any(t not in TASKS for t in tasks):
         ap.error(f"calls must be among {CALLS}, tasks among {tuple(TASKS)}")
-    rows = run(quick=args.quick, workers=tuple(int(w) for w in args.workers.split(",")), task_seconds=tasks, calls=calls)
+    rows = run(
+        quick=args.quick, workers=tuple(int(w) for w in args.workers.split(",")), task_seconds=tasks, calls=calls
+    )
     _common.print_targets(check_targets(rows))
 
 

@@ -106,7 +106,8 @@ class Engine:
         self.serials = itertools.count()
         self.tls = threading.local()
         self.space = _lockorder.condition("Engine.space")  # imap feeding backpressure
-        self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)
+        self.imap_waiting = 0  # imap feeders waiting on space (a hint for imap_progress)
+        self.imap_need = 0  # chunks to finish or be consumed before a waiting feeder has room
         self.callbacks = CallbackRunner()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -223,23 +224,36 @@ class Engine:
         return rec
 
     # -- imap's backpressure (its feeder threads)
-    def add_imap_feeder(self) -> None:
-        with self.space:
-            self.imap_feeders += 1
-
-    def remove_imap_feeder(self) -> None:
-        with self.space:
-            self.imap_feeders -= 1
-
-    def wait_for_imap_room(self, unconsumed: Callable[[], int]) -> None:
-        """Wait while ``2 * processes + 2`` chunks are in flight or finished and not consumed
-        (``unconsumed()``: the iterator's); raises PoolStateError once the pool has stopped."""
+    def wait_for_imap_room(self, unconsumed: Callable[[], int]) -> int:
+        """Wait until at least half of ``2 * processes + 2`` chunks may be sent: that many less
+        are in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns
+        how many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
+        PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
+        finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
         limit = 2 * self.processes + 2
+        want = max(1, limit // 2)
         with self.space:
-            while (self.in_flight() + unconsumed() >= limit) and not self.flags.stopped:
-                self.space.wait(SPACE_POLL_S)
-        if self.flags.stopped:
-            raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+            while not self.flags.stopped:
+                busy = self.in_flight()
+                room = limit - busy - unconsumed()
+                if room >= want or (room > 0 and busy == 0):
+                    return room
+                self.imap_need = max(1, want - room)
+                self.imap_waiting += 1
+                try:
+                    self.space.wait(SPACE_POLL_S)
+                finally:
+                    self.imap_waiting -= 1
+        raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+
+    def imap_progress(self) -> None:
+        """A chunk finished or an imap result was consumed: wake a waiting feeder once enough
+        did (a hint read without a lock; the feeder also looks again on its own)."""
+        if self.imap_waiting:
+            self.imap_need -= 1
+            if self.imap_need <= 0:
+                with self.space:
+                    self.space.notify_all()
 
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
@@ -267,14 +281,14 @@ class Engine:
                 self.flags.check_running()
             raise
 
-    def submit_plain(self, preps: list, result) -> None:
-        """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
-        one dispatch, so each worker gets its share of them in one write."""
+    def submit_plain(self, items: list) -> None:
+        """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go,
+        ``items`` being (prepared chunk, result, index) each: one lock acquisition and one
+        dispatch, so each worker gets its share of them in one write. All or none are queued."""
         chunks = []
-        for index, prep in enumerate(preps):
+        for prep, result, index in items:
             chunk_id = next(self.chunk_ids)
-            enc = _wire.commit(prep, arena=None, borrower=("chunk", chunk_id))
-            chunks.append(Chunk(chunk_id, result, index, enc))
+            chunks.append(Chunk(chunk_id, result, index, _wire.Encoded(prep.data, [], [], prep.trees, ())))
         self._enqueue(chunks)
 
     def _enqueue(self, chunks: list) -> None:
@@ -397,9 +411,8 @@ class Engine:
             if result is not None:
                 self.callbacks.deliver(result, chunk.index, ok, value)
         finally:
-            if self.imap_feeders:
-                with self.space:
-                    self.space.notify_all()
+            if self.imap_waiting:
+                self.imap_progress()
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
         self.arena.release_all(chunk.key)

@@ -37,7 +37,7 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _lockorder
@@ -270,7 +270,8 @@ class Executor(concurrent.futures.Executor):
             )
             self._dispatcher.start()
 
-    def _send(self, call: _Call) -> None:
+    def _result_for(self, call: _Call) -> FuturesResult:
+        """The pool result that completes ``call``'s future."""
         fut = call.future
 
         def done(value: Any) -> None:
@@ -300,18 +301,47 @@ class Executor(concurrent.futures.Executor):
             self._finished()
             return True
 
-        result = FuturesResult(self._pool, done, failed, fast)
+        return FuturesResult(self._pool, done, failed, fast)
+
+    def _pool_stopped(self, e: PoolStateError) -> BrokenExecutorError:
+        if not self._shutdown or self._reusable:
+            self._mark_broken(e)
+        broken = BrokenExecutorError(f"This jaxtransport.Executor is broken: {e}")
+        broken.__cause__ = e
+        return broken
+
+    def _send(self, call: _Call) -> None:
         try:
-            self._pool.submit_call(call.fn, call.args, call.kwargs, result)
+            self._pool.submit_call(call.fn, call.args, call.kwargs, self._result_for(call))
         except PoolStateError as e:
-            if not self._shutdown or self._reusable:
-                self._mark_broken(e)
-            raise BrokenExecutorError(f"This jaxtransport.Executor is broken: {e}") from e
+            raise self._pool_stopped(e) from e
+
+    def _send_many(self, calls: list[_Call]) -> None:
+        """The dispatcher: send ``calls`` (running, counted in flight) to the pool at once; a
+        call that cannot be sent fails its own future."""
+        results = {}
+        batch = []
+        for call in calls:
+            result = self._result_for(call)
+            results[id(result)] = call
+            batch.append((call.fn, call.args, call.kwargs, result))
+        try:
+            failed = self._pool.submit_calls(batch)
+        except PoolStateError as e:
+            broken = self._pool_stopped(e)
+            failed = [(r, broken) for *_, r in batch]
+        for result, exc in failed:
+            self._finished()
+            results[id(result)].future.set_exception(exc)
 
     def _finished(self) -> None:
         with self._lock:
             self._in_flight -= 1
-            self._wake.notify_all()
+            n = self._in_flight
+            # Wake the dispatcher once half the room is free (it then sends a batch), and
+            # whoever waits for idleness at zero: not at every call.
+            if n == 0 or (n <= self._max_in_flight // 2 and self._pending):
+                self._wake.notify_all()
 
     def _mark_broken(self, cause: BaseException) -> None:
         with self._lock:
@@ -322,17 +352,20 @@ class Executor(concurrent.futures.Executor):
             if call.future.set_running_or_notify_cancel():
                 call.future.set_exception(BrokenExecutorError(f"This jaxtransport.Executor is broken: {cause}"))
 
-    def _next_call(self) -> _Call | None:
-        """Dispatcher: the next pending call once there is room; None (the thread ends) when
-        nothing is pending or the pool broke. ``submit`` starts a new one when needed."""
+    def _next_calls(self) -> list[_Call]:
+        """Dispatcher: the pending calls there is room for, once there is room; empty (the
+        thread ends) when nothing is pending or the pool broke. ``submit`` starts a new one
+        when needed."""
         with self._lock:
             while True:
                 if self._broken is not None or not self._pending:
                     self._dispatcher = None
-                    return None
-                if self._in_flight < self._max_in_flight:
-                    self._in_flight += 1
-                    return self._pending.popleft()
+                    return []
+                room = self._max_in_flight - self._in_flight
+                if room > 0:
+                    calls = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+                    self._in_flight += len(calls)
+                    return calls
                 self._wake.wait()
 
     def _wait_idle(self) -> None:
@@ -366,6 +399,12 @@ class _FuturesPool(Pool):
         does not pickle or a pool that has stopped)."""
         self._submit_apply(fn, args, kwargs, result)
 
+    def submit_calls(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> list:
+        """Send many calls ``(fn, args, kwargs, result)`` at once (``Pool._submit_applies``):
+        returns ``(result, exception)`` for each that could not be sent; raises PoolStateError
+        when the pool has stopped."""
+        return self._submit_applies(calls)
+
 
 def _pop_result(futures: list, timeout: float | None) -> Any:
     """The last future's result, the future popped first so no frame keeps it (its value)."""
@@ -382,17 +421,24 @@ def _pop_result(futures: list, timeout: float | None) -> Any:
 def _dispatch(ref: weakref.ref) -> None:
     ex = ref()
     while ex is not None:
-        call = ex._next_call()
-        if call is None:
+        calls = ex._next_calls()
+        if not calls:
             return
-        if not call.future.set_running_or_notify_cancel():
-            ex._finished()
-            continue
-        try:
-            ex._send(call)
-        except BaseException as e:  # noqa: BLE001 - the call's own failure (pickling, broken pool)
-            ex._finished()
-            call.future.set_exception(e)
+        running = []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                running.append(call)
+            else:
+                ex._finished()
+        if running:
+            try:
+                ex._send_many(running)
+            except BaseException as e:  # noqa: BLE001 - never leave the calls' futures waiting
+                for call in running:
+                    if not call.future.done():
+                        ex._finished()
+                        call.future.set_exception(e)
+        del calls, running
 
 
 def _close_when_idle(ex: Executor) -> None:

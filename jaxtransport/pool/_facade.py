@@ -29,7 +29,7 @@ import multiprocessing
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _nojax, _procenv, _shm, _usercode
@@ -212,6 +212,42 @@ class Pool:
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
 
+    def _submit_applies(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> list:
+        """Send many calls ``(func, args, kwds, result)`` at once (the Executor's dispatcher):
+        those that need no shared memory in one go (one lock acquisition, one write per
+        worker). Returns ``(result, exception)`` for each call that could not be sent (its
+        arguments do not pickle, a Tracer); raises PoolStateError, sending none of the rest,
+        when the pool has stopped."""
+        state = self._state
+        state.check_running()
+        failed: list = []
+        plain: list = []
+        for func, args, kwds, result in calls:
+            try:
+
+                def locate(args: tuple = args, kwds: dict = kwds, func: Callable = func) -> str | None:
+                    return first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
+
+                prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
+            except Exception as e:  # noqa: BLE001 - this call's own failure
+                failed.append((result, e))
+                continue
+            if prep.found or prep.trees:
+                if plain:
+                    state.submit_plain(plain)
+                    plain = []
+                try:
+                    state.submit(prep, result, 0)
+                except PoolStateError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. ShmCapacityError: this call only
+                    failed.append((result, e))
+            else:
+                plain.append((prep, result, 0))
+        if plain:
+            state.submit_plain(plain)
+        return failed
+
     def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None) -> Any:
         """``apply_async(...).get()``."""
         return self.apply_async(func, args, kwds).get()
@@ -246,7 +282,7 @@ class Pool:
         result = MapResult(self, len(items), chunksize, callback, error_callback)
         if not any(prep.found or prep.trees for prep in preps):
             try:
-                state.submit_plain(preps, result)
+                state.submit_plain([(prep, result, i) for i, prep in enumerate(preps)])
             except BaseException as e:
                 result.chunk_done(0, False, e)
                 raise
@@ -293,7 +329,7 @@ class Pool:
         state.check_running()
         if not isinstance(chunksize, int) or chunksize < 1:
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
-        it = IMapIterator(self, ordered)
+        it = IMapIterator(self, ordered, on_consumed=state.imap_progress)
         if isinstance(iterable, (list, tuple, range)):
             # Phase 1 here, so a Tracer or an unpicklable item fails the call itself.
             preps = []
@@ -392,20 +428,39 @@ def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunks
 
 def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     """Submit imap's chunks as the engine makes room for them (``Engine.wait_for_imap_room``:
-    backpressure on both the workers and the results)."""
+    backpressure on both the workers and the results), a batch per wait: the chunks that need
+    no shared memory together (one lock acquisition and one write per worker)."""
     index = 0
-    state.add_imap_feeder()
     try:
-        for prep in preps:
-            state.wait_for_imap_room(it.unconsumed)
-            state.submit(prep, it, index)
-            index += 1
-            del prep
+        while True:
+            room = state.wait_for_imap_room(it.unconsumed)
+            plain: list = []
+            try:
+                for _ in range(room):
+                    prep = next(preps, None)
+                    if prep is None:
+                        break
+                    if prep.found or prep.trees:
+                        if plain:
+                            batch, plain = plain, []
+                            state.submit_plain(batch)
+                            index += len(batch)
+                        state.submit(prep, it, index)
+                        index += 1
+                    else:
+                        plain.append((prep, it, index + len(plain)))
+                    del prep
+                else:
+                    continue
+                break  # the source is exhausted
+            finally:
+                if plain:  # what was prepared before the source ended or raised goes first
+                    batch, plain = plain, []
+                    state.submit_plain(batch)
+                    index += len(batch)
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it.chunk_done(index, False, e)
         index += 1
-    finally:
-        state.remove_imap_feeder()
     it.set_length(index)
 
 

@@ -16,6 +16,7 @@ it reads and changes under their lock, and the few actions it asks for), which t
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import threading
@@ -119,6 +120,7 @@ class Manager:
         self.last_flush = 0.0
         self.finished_any = False
         self.early_deaths = 0  # workers in a row that died before they were ready
+        self.roster_changed = True  # a worker died or was replaced: the loop re-reads the list
 
     def start(self) -> None:
         self.thread.start()
@@ -139,41 +141,53 @@ class Manager:
         engine = self.engine
         poller = select.poll()
         registered: dict[int, tuple] = {}
+        roster: list = []  # the workers as last registered (the poller is rebuilt when it changes)
+        workers: list = []
+        last_stall_check = 0.0
         while True:
-            with engine.lock:
-                if engine.flags.terminated:
-                    return
-                workers = [w for w in engine.workers if not w.dead]
-                if engine.flags.closed and not workers and not engine.scheduler.pending:
-                    return
-                if engine.flags.broken is not None and not workers:
-                    return
-            wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
-            for w in workers:
-                wanted[w.sock.fileno()] = ("conn", w)
-                wanted[w.sentinel] = ("sentinel", w)
-            if wanted.keys() != registered.keys() or any(registered[k][1] is not v[1] for k, v in wanted.items()):
-                for fd in registered:
-                    try:
-                        poller.unregister(fd)
-                    except (KeyError, ValueError, OSError):
-                        pass
-                for fd in wanted:
-                    poller.register(fd, select.POLLIN)
-                registered = wanted
+            flags = engine.flags
+            if flags.terminated:
+                return
+            current = engine.workers
+            if flags.closed or flags.broken is not None or len(current) != len(roster) or self.roster_changed:
+                # Something may have changed: read the books under the lock (else nothing
+                # per worker is done here per message: its cost must not grow with workers).
+                with engine.lock:
+                    if flags.terminated:
+                        return
+                    workers = [w for w in engine.workers if not w.dead]
+                    if flags.closed and not workers and not engine.scheduler.pending:
+                        return
+                    if flags.broken is not None and not workers:
+                        return
+                    changed = self.roster_changed or [id(w) for w in workers] != [id(w) for w in roster]
+                    self.roster_changed = False
+                if changed:
+                    roster = workers
+                    wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
+                    for w in workers:
+                        wanted[w.sock.fileno()] = ("conn", w)
+                        wanted[w.sentinel] = ("sentinel", w)
+                    for fd in registered:
+                        try:
+                            poller.unregister(fd)
+                        except (KeyError, ValueError, OSError):
+                            pass
+                    for fd in wanted:
+                        poller.register(fd, select.POLLIN)
+                    registered = wanted
             try:
                 events = poller.poll(RELEASE_FLUSH_S * 1000)
             except InterruptedError:
                 events = []
-            engine.trees.drain_collected()
+            if engine.trees.collected:
+                engine.trees.drain_collected()
             for fd, _ev in events:
-                if engine.flags.terminated:
+                if flags.terminated:
                     return
                 kind, w = registered.get(fd, (None, None))
                 if kind == "wake":
                     try:
-                        import os
-
                         os.read(engine.wake_r, 4096)
                     except OSError:
                         pass
@@ -183,11 +197,13 @@ class Manager:
                     self.read_from(w)
                     self.worker_exited(w)
             now = time.monotonic()
-            if engine.stalled(now):
-                engine.take_back()
+            if now - last_stall_check >= STALL_CHECK_S:  # a scan over the workers: not per message
+                last_stall_check = now
+                if engine.stalled(now):
+                    engine.take_back()
             if now - self.last_flush >= RELEASE_FLUSH_S:
                 self.last_flush = now
-                self.flush(workers)
+                self.flush(roster)
 
     def read_from(self, w: WorkerRec) -> None:
         frames, eof = w.reader.read()
@@ -337,6 +353,7 @@ class Manager:
         code = w.proc.exitcode
         with engine.lock:
             w.dead = True
+            self.roster_changed = True
             if w in engine.workers:
                 engine.workers.remove(w)
             running, queued = engine.scheduler.lost(w)  # those never started run elsewhere
@@ -371,6 +388,7 @@ class Manager:
             ):
                 try:
                     engine.workers.append(engine.start_worker(w.index))
+                    self.roster_changed = True
                 except Exception as e:  # noqa: BLE001
                     self.early_deaths = MAX_EARLY_DEATHS
                     spawn_error = e

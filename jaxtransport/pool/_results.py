@@ -228,8 +228,9 @@ class IMapIterator:
     """The iterator of ``imap`` (ordered) / ``imap_unordered``; ``next(timeout)`` as in
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
-    def __init__(self, keepalive: Any, ordered: bool) -> None:
+    def __init__(self, keepalive: Any, ordered: bool, on_consumed: Callable[[], None] | None = None) -> None:
         self._cond = _lockorder.condition("IMapIterator._cond")
+        self._on_consumed = on_consumed  # told (no lock held) when a chunk's results are all taken
         self._ordered = ordered
         self._ready: dict[int, tuple[bool, object]] = {}
         self._queue: collections.deque = collections.deque()
@@ -269,6 +270,14 @@ class IMapIterator:
             self._cond.notify_all()
 
     def next(self, timeout: float | None = None) -> Any:
+        before = self._yielded_chunks
+        try:
+            return self._next(timeout)
+        finally:
+            if self._yielded_chunks != before and self._on_consumed is not None:
+                self._on_consumed()  # the feeder may have room again (imap's backpressure)
+
+    def _next(self, timeout: float | None) -> Any:
         with self._cond:
             while True:
                 if self._queue:
