@@ -23,6 +23,7 @@ Entries travel as plain tuples ``(kind, *fields)`` and are read back as the reco
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import pickle
@@ -39,7 +40,7 @@ from ._nojax import jax_loaded
 from ._pickling import PICKLE_PROTOCOL
 from ._shm import ALIGN, Arena, Handle, Mapper
 
-__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "prepare"]
+__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "prepare", "unpickle"]
 
 
 class Encoded:
@@ -175,8 +176,6 @@ def _fast_table(tree_type: type | None) -> dict:
     """copyreg's table + the routes + refusing entries for Tracers (the cloudpickle path then
     names them). One per ``tree_type`` (a function is pickled without, a chunk with), rebuilt
     only when copyreg's table changes size or JAX gets imported."""
-    import copyreg
-
     loaded = jax_loaded()
     key = (len(copyreg.dispatch_table), loaded)
     cached = _TABLES.get(tree_type)
@@ -545,6 +544,12 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
         holder = None
         raise
     return parsed, holders
+
+
+def unpickle(data: bytes, placement: str) -> Any:
+    """``decode`` of a message with no entries (nothing in shared memory): the pickle alone,
+    its arrays placed under ``placement``."""
+    return _unpickle(data, placement, ())
 
 
 def _unpickle(data: bytes, placement: str, objects) -> Any:

@@ -34,6 +34,7 @@ from ._scheduler import Chunk, Scheduler
 from ._trees import TreeBook, TreeRec
 from ._worker import WorkerConfig
 
+IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -224,16 +225,25 @@ class Engine:
         return rec
 
     # -- imap's backpressure (its feeder threads)
-    def wait_for_imap_room(self, unconsumed: Callable[[], int]) -> int:
-        """Wait until at least half of ``2 * processes + 2`` chunks may be sent: that many less
-        are in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns
-        how many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
+    def imap_window(self, light_results: int) -> int:
+        """How many of an imap's chunks may be in flight or finished and not consumed:
+        ``2 * processes + 2``, and ``IMAP_WIDE`` times that once as many results in a row came
+        back without shared memory (small results: piling them up costs only the parent's
+        memory, as for multiprocessing.Pool, which does not bound imap at all; a deeper queue
+        keeps tiny tasks' workers busy). Never widened once a result used shared memory."""
+        limit = 2 * self.processes + 2
+        return limit * IMAP_WIDE if light_results >= limit else limit
+
+    def wait_for_imap_room(self, unconsumed: Callable[[], int], light_results: Callable[[], int]) -> int:
+        """Wait until at least half of ``imap_window`` chunks may be sent: that many less are
+        in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns how
+        many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
         PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
-        limit = 2 * self.processes + 2
-        want = max(1, limit // 2)
         with self.space:
             while not self.flags.stopped:
+                limit = self.imap_window(light_results())
+                want = max(1, limit // 2)
                 busy = self.in_flight()
                 room = limit - busy - unconsumed()
                 if room >= want or (room > 0 and busy == 0):
@@ -263,9 +273,12 @@ class Engine:
 
     def submit(self, prep: _wire.Prepared, result, index: int) -> None:
         """Copy a prepared chunk's arrays into shared memory and queue it."""
-        self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
-        enc = self._commit(prep, ("chunk", chunk_id))
+        if not prep.found and not prep.trees:  # nothing to copy (the common small task)
+            enc = _wire.Encoded(prep.data, [], [], prep.trees, ())
+        else:
+            self.trees.check_usable(prep.trees)
+            enc = self._commit(prep, ("chunk", chunk_id))
         self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
@@ -297,11 +310,14 @@ class Engine:
         with self.lock:
             if self.flags.stopped:
                 for chunk in chunks:
-                    self.arena.release_all(chunk.key)
+                    if chunk.enc.handles:
+                        self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
+            add = self.scheduler.add
             for chunk in chunks:
-                self.trees.use(chunk.trees)
-                self.scheduler.add(chunk)
+                if chunk.trees:
+                    self.trees.use(chunk.trees)
+                add(chunk)
             self.dispatch()
 
     def dispatch(self) -> None:
@@ -312,8 +328,9 @@ class Engine:
         for w, chunk in self.scheduler.assign(self.workers):
             w.sent += 1
             chunk.seq = w.sent
-            self.arena.transfer(chunk.enc.handles, chunk.key, w.key)
             enc = chunk.enc
+            if enc.handles:
+                self.arena.transfer(enc.handles, chunk.key, w.key)
             if chunk.trees or enc.segs:
                 batch = batches.pop(w, None)
                 if batch:
@@ -323,7 +340,9 @@ class Engine:
                 segs = self.new_segments(w, enc.segs)
             else:
                 segs = None
-            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases(64)))
+            mapper = w.mapper
+            releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
+            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, releases))
             if segs:
                 w.post(task, segs)
             else:
@@ -415,7 +434,8 @@ class Engine:
                 self.imap_progress()
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
-        self.arena.release_all(chunk.key)
+        if chunk.enc.handles:
+            self.arena.release_all(chunk.key)
         self.finish_chunk(chunk, False, exc)
 
     def own_holder(self, handle: Handle):

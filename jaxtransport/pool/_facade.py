@@ -433,7 +433,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     index = 0
     try:
         while True:
-            room = state.wait_for_imap_room(it.unconsumed)
+            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results)
             plain: list = []
             try:
                 for _ in range(room):

@@ -210,10 +210,36 @@ class Manager:
         self.finished_any = False
         if frames and w.held_back:
             self.engine.resume(w)
+        msgs: list = []
         for raw in frames:
-            if w.dead:
+            try:
+                msgs.append(_protocol.loads(raw, _protocol.TO_PARENT))
+            except CorruptTransferError as e:
+                msgs.append(e)  # nothing after it is read: the worker is retired there
                 break
-            self.on_frame(w, raw)
+        i = 0
+        while i < len(msgs) and not w.dead:
+            msg = msgs[i]
+            if type(msg) is _protocol.Result:
+                # A run of results: their chunks leave the books under one acquisition of
+                # the engine's lock, then each is decoded and completed with no lock held.
+                j = i + 1
+                while j < len(msgs) and type(msgs[j]) is _protocol.Result:
+                    j += 1
+                group = msgs[i:j]
+                with self.engine.lock:
+                    chunks = [self.engine.scheduler.finished(w, m.chunk_id) for m in group]
+                for m, chunk in zip(group, chunks):
+                    self.complete(w, m, chunk)
+                del group, chunks
+                i = j
+            elif isinstance(msg, CorruptTransferError):
+                self.retire(w, f"it sent a malformed message ({msg})")
+                break
+            else:
+                self.HANDLERS[type(msg)](self, w, msg)
+                i += 1
+        del msgs
         if self.finished_any:  # once per batch of messages, not per result
             with self.engine.lock:
                 self.engine.dispatch()
@@ -251,15 +277,23 @@ class Manager:
 
     # -- handlers
     def on_result(self, w: WorkerRec, msg: _protocol.Result) -> None:
+        with self.engine.lock:
+            chunk = self.engine.scheduler.finished(w, msg.chunk_id)
+        self.complete(w, msg, chunk)
+
+    def complete(self, w: WorkerRec, msg: _protocol.Result, chunk: Chunk | None) -> None:
+        """A result whose chunk (None: no longer in flight) left the books: decode it, release
+        what it says, complete the chunk's result (no lock held)."""
         engine = self.engine
         w.pace = msg.seconds if w.pace is None else 0.7 * w.pace + 0.3 * msg.seconds
-        with engine.lock:
-            chunk = engine.scheduler.finished(w, msg.chunk_id)
         ok = msg.ok
-        unheld = list(msg.unheld)
+        unheld = msg.unheld
         if ok:
             try:
-                value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+                if msg.entries:
+                    value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+                else:  # nothing in shared memory: the pickle alone
+                    value = _wire.unpickle(msg.data, engine.placement)
             except BaseException as e:  # noqa: BLE001 - this task's failure only
                 ok, value = False, e
         else:
@@ -279,6 +313,9 @@ class Manager:
                 if h is not None:
                     engine.arena.release(h, w.key)
         if chunk is not None:
+            note = getattr(chunk.result, "note_result", None)  # imap's window (IMapIterator)
+            if note is not None:
+                note(bool(msg.entries))
             engine.finish_chunk(chunk, ok, value)
         del value
         self.finished_any = True  # read_from dispatches what the worker's place allows

@@ -231,6 +231,9 @@ class IMapIterator:
     def __init__(self, keepalive: Any, ordered: bool, on_consumed: Callable[[], None] | None = None) -> None:
         self._cond = _lockorder.condition("IMapIterator._cond")
         self._on_consumed = on_consumed  # told (no lock held) when a chunk's results are all taken
+        # Results in a row that came back without shared memory (-1: one did): imap's window
+        # widens once they show that piling them up costs no shared memory.
+        self.light_results = 0
         self._ordered = ordered
         self._ready: dict[int, tuple[bool, object]] = {}
         self._queue: collections.deque = collections.deque()
@@ -242,6 +245,13 @@ class IMapIterator:
 
     def _has_callbacks(self) -> bool:
         return False
+
+    def note_result(self, shared: bool) -> None:
+        """A chunk's results arrived, in shared memory or not (the manager thread)."""
+        if shared:
+            self.light_results = -1  # for good: this imap's results may be large
+        elif self.light_results >= 0:
+            self.light_results += 1
 
     def unconsumed(self) -> int:
         """Chunks finished whose results were not all taken yet (imap's backpressure)."""
