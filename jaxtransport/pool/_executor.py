@@ -133,7 +133,11 @@ class Executor(concurrent.futures.Executor):
                 raise ValueError("max_tasks_per_child must be >= 1")
         _register_exit()
         self._pool = _FuturesPool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
-        self._max_in_flight = 2 * self._pool.processes
+        # Calls handed to the pool at once: 2 per worker, EXECUTOR_WIDE times that while the
+        # calls and results need no shared memory (Note [executor window]).
+        self._narrow = 2 * self._pool.processes
+        self._max_in_flight = self._narrow
+        self._light = 0  # results in a row that needed no shared memory
         self._lock = _lockorder.lock("Executor._lock")
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Call] = collections.deque()
@@ -301,7 +305,32 @@ class Executor(concurrent.futures.Executor):
             self._finished()
             return True
 
-        return FuturesResult(self._pool, done, failed, fast)
+        result = FuturesResult(self._pool, done, failed, fast)
+        result.note_result = self._note_result
+        return result
+
+    # Note [executor window]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # Calls beyond the window wait in the executor, cancellable, and their arguments are not
+    # yet copied into shared memory: 2 calls per worker bound that memory and keep most calls
+    # cancellable, as concurrent.futures keeps about one per worker in its call queue. For
+    # small calls the same window starves the workers: each runs a call and waits for the
+    # round trip of the next (tiny tasks ran 3-4x slower in the parent's CPU time). So once
+    # as many results in a row as the window holds came back without shared memory, the
+    # window widens EXECUTOR_WIDE times; a call or result with an array in shared memory
+    # narrows it again at once (calls already handed over stay there).
+    def _note_result(self, shared: bool) -> None:
+        """The manager thread: a call's result arrived, through shared memory or not."""
+        if shared:
+            self._narrow_window()
+        else:
+            self._light += 1
+            if self._light >= self._narrow:
+                self._max_in_flight = self._narrow * EXECUTOR_WIDE
+
+    def _narrow_window(self) -> None:
+        self._light = 0
+        self._max_in_flight = self._narrow
 
     def _pool_stopped(self, e: PoolStateError) -> BrokenExecutorError:
         if not self._shutdown or self._reusable:
@@ -312,9 +341,11 @@ class Executor(concurrent.futures.Executor):
 
     def _send(self, call: _Call) -> None:
         try:
-            self._pool.submit_call(call.fn, call.args, call.kwargs, self._result_for(call))
+            heavy = self._pool.submit_call(call.fn, call.args, call.kwargs, self._result_for(call))
         except PoolStateError as e:
             raise self._pool_stopped(e) from e
+        if heavy:
+            self._narrow_window()
 
     def _send_many(self, calls: list[_Call]) -> None:
         """The dispatcher: send ``calls`` (running, counted in flight) to the pool at once; a
@@ -326,10 +357,12 @@ class Executor(concurrent.futures.Executor):
             results[id(result)] = call
             batch.append((call.fn, call.args, call.kwargs, result))
         try:
-            failed = self._pool.submit_calls(batch)
+            failed, heavy = self._pool.submit_calls(batch)
         except PoolStateError as e:
             broken = self._pool_stopped(e)
-            failed = [(r, broken) for *_, r in batch]
+            failed, heavy = [(r, broken) for *_, r in batch], False
+        if heavy:
+            self._narrow_window()
         for result, exc in failed:
             self._finished()
             results[id(result)].future.set_exception(exc)
@@ -393,16 +426,16 @@ class _FuturesPool(Pool):
         """The number of worker processes (``max_workers``)."""
         return self._processes
 
-    def submit_call(self, fn: Callable, args: tuple, kwargs: dict, result: AsyncResult) -> None:
+    def submit_call(self, fn: Callable, args: tuple, kwargs: dict, result: AsyncResult) -> bool:
         """Send one call completing ``result`` (``Pool.apply_async``'s path, with the result
         the Executor made: raises here, as ``apply_async`` does, for a Tracer, an argument that
         does not pickle or a pool that has stopped)."""
-        self._submit_apply(fn, args, kwargs, result)
+        return self._submit_apply(fn, args, kwargs, result)
 
-    def submit_calls(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> list:
+    def submit_calls(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> tuple[list, bool]:
         """Send many calls ``(fn, args, kwargs, result)`` at once (``Pool._submit_applies``):
-        returns ``(result, exception)`` for each that could not be sent; raises PoolStateError
-        when the pool has stopped."""
+        returns ``(result, exception)`` for each that could not be sent, and whether any call
+        sent used shared memory; raises PoolStateError when the pool has stopped."""
         return self._submit_applies(calls)
 
 
@@ -450,6 +483,7 @@ def _close_when_idle(ex: Executor) -> None:
         pass
 
 
+EXECUTOR_WIDE = 8  # how much wider the window gets for calls without shared memory
 _reusable_lock = threading.Lock()
 _reusable: tuple[Executor, tuple] | None = None
 

@@ -198,9 +198,9 @@ class Pool:
         self._submit_apply(func, args, kwds, result)
         return result
 
-    def _submit_apply(self, func: Callable, args: Iterable[Any], kwds: dict | None, result: AsyncResult) -> None:
+    def _submit_apply(self, func: Callable, args: Iterable[Any], kwds: dict | None, result: AsyncResult) -> bool:
         """Send one call completing ``result`` (``apply_async``; the Executor passes results
-        of its own)."""
+        of its own); returns whether it used shared memory (an array or a SharedTree)."""
         state = self._state
         state.check_running()
         kwds = {} if kwds is None else kwds
@@ -211,17 +211,19 @@ class Pool:
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
+        return bool(prep.found or prep.trees)
 
-    def _submit_applies(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> list:
+    def _submit_applies(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> tuple[list, bool]:
         """Send many calls ``(func, args, kwds, result)`` at once (the Executor's dispatcher):
         those that need no shared memory in one go (one lock acquisition, one write per
         worker). Returns ``(result, exception)`` for each call that could not be sent (its
-        arguments do not pickle, a Tracer); raises PoolStateError, sending none of the rest,
-        when the pool has stopped."""
+        arguments do not pickle, a Tracer) and whether any call used shared memory; raises
+        PoolStateError, sending none of the rest, when the pool has stopped."""
         state = self._state
         state.check_running()
         failed: list = []
         plain: list = []
+        heavy = False
         for func, args, kwds, result in calls:
             try:
 
@@ -233,9 +235,10 @@ class Pool:
                 failed.append((result, e))
                 continue
             if prep.found or prep.trees:
+                heavy = True
                 if plain:
-                    state.submit_plain(plain)
-                    plain = []
+                    batch, plain = plain, []
+                    state.submit_plain(batch)
                 try:
                     state.submit(prep, result, 0)
                 except PoolStateError:
@@ -246,7 +249,7 @@ class Pool:
                 plain.append((prep, result, 0))
         if plain:
             state.submit_plain(plain)
-        return failed
+        return failed, heavy
 
     def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None) -> Any:
         """``apply_async(...).get()``."""

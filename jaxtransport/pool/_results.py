@@ -186,6 +186,9 @@ class FuturesResult(AsyncResult):
     ) -> None:
         super().__init__(keepalive, callback, error_callback)
         self._fast = fast
+        # note_result(shared): told by the manager whether the result came through shared
+        # memory (the Executor's window, Note [executor window] in _executor).
+        self.note_result: Callable[[bool], None] | None = None
 
 
 class MapResult(AsyncResult):
