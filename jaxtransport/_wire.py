@@ -27,6 +27,7 @@ import copyreg
 import functools
 import io
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -235,9 +236,26 @@ def _load_fn(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def _by_reference(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function or builtin that pickles as its importable name (a
+    module other than ``__main__``): each chunk's C pickler writes that name, as cheaply as
+    a blob, and the worker looks it up (no blob to unpickle per chunk)."""
+    if type(fn) not in (types.FunctionType, types.BuiltinFunctionType) or _usercode.registered_by_value():
+        return False
+    module = getattr(fn, "__module__", None)
+    if not isinstance(module, str) or module in ("__main__", "__mp_main__"):
+        return False
+    obj: Any = sys.modules.get(module)
+    for part in getattr(fn, "__qualname__", "<").split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
+
+
 def function_blob(fn: Any, *, threshold: int | None, locate: Callable | None = None) -> Any:
     """``fn`` pickled once for reuse across chunks, or ``fn`` itself when it carries large
-    arrays (those must go through shared memory with each chunk)."""
+    arrays (those must go through shared memory with each chunk) or travels by its name."""
+    if _by_reference(fn):
+        return fn
     prep = prepare(fn, threshold=threshold, locate=locate)
     return fn if prep.found else FnBlob(prep.data)
 
