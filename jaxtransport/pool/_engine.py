@@ -268,6 +268,12 @@ class Engine:
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
+    def prepare_chunks(self, fn, mode, parts: list, locates: list) -> list[_wire.Prepared]:
+        """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
+        return _wire.prepare_many(
+            [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
+        )
+
     def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
         return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
 

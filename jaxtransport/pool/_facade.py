@@ -277,11 +277,12 @@ class Pool:
         chunksize = max(chunksize, 1)
         # Phase 1 for every chunk first: a Tracer or unpicklable item anywhere fails the call
         # before any shared memory is taken or any task sent.
-        preps = []
         blob = state.function_blob(func) if len(items) > chunksize else func
-        for start in range(0, len(items), chunksize):
-            part = items[start : start + chunksize]
-            preps.append(state.prepare_chunk(blob, mode, part, _locator(func, part, start)))
+        starts = range(0, len(items), chunksize)
+        parts = [items[start : start + chunksize] for start in starts]
+        preps = state.prepare_chunks(
+            blob, mode, parts, [_locator(func, part, start) for part, start in zip(parts, starts)]
+        )
         result = MapResult(self, len(items), chunksize, callback, error_callback)
         if not any(prep.found or prep.trees for prep in preps):
             try:
@@ -335,12 +336,11 @@ class Pool:
         it = IMapIterator(self, ordered, on_consumed=state.imap_progress)
         if isinstance(iterable, (list, tuple, range)):
             # Phase 1 here, so a Tracer or an unpicklable item fails the call itself.
-            preps = []
             blob = state.function_blob(func) if len(iterable) > chunksize else func
-            for start in range(0, len(iterable), chunksize):
-                part = list(iterable[start : start + chunksize])
-                preps.append(state.prepare_chunk(blob, "map", part, _locator(func, part, start)))
-            source = iter(preps)
+            starts = range(0, len(iterable), chunksize)
+            parts = [list(iterable[start : start + chunksize]) for start in starts]
+            locates = [_locator(func, part, start) for part, start in zip(parts, starts)]
+            source = iter(state.prepare_chunks(blob, "map", parts, locates))
         else:
             source = _prepare_lazily(state, func, iter(iterable), chunksize)
         threading.Thread(
