@@ -6,9 +6,10 @@ Same workers, shared memory, placements, tracer errors and crash handling as
 
 Flow: ``submit`` hands a call to the pool at once (pickling and copying large arrays in the
 caller's thread, so a Tracer or an unpicklable argument raises there) while fewer than
-``2 * max_workers`` calls are in flight; beyond that the call waits in the executor's queue as a
-*pending* future, which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A
-*dispatcher* thread (started on first need) moves pending calls to the pool as calls finish. A
+``2 * max_workers`` calls are in flight (8 times as many for calls without shared memory: Note
+[executor window]); beyond that the call waits in the executor's queue as a *pending* future,
+which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A *dispatcher* thread
+(started on first need) moves pending calls to the pool in batches once half the room is free. A
 future that succeeded and has no done-callbacks is completed by the pool's manager thread
 itself (setting it only wakes its waiters: no user code, no hop); any other is completed by the
 pool's callback thread, which also runs the done-callbacks. Neither pickles or waits.
