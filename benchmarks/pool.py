@@ -6,7 +6,8 @@ Questions, one per row group:
 - ``argument``/``result``: one array argument to a worker (worker returns its shape), or one array
   result back (the worker returns an array it already holds), 1 KiB ... 1 GiB.
 - ``steady``: the same >= 64 MiB round trip repeated (recycled memory, no fresh pages).
-- ``tiny``: 10,000 tiny tasks (per-task overhead), with ``map`` and with ``apply_async``.
+- (per-task cost, tasks sent one by one, is ``benchmarks/tasks.py``'s question: it replaced the
+  ``tiny`` rows, a 10,000-item ``map`` at its default chunk size that timed a handful of chunks.)
 - ``broadcast``: ``share(params)`` + one task per worker, on 1, 2 and 4 workers.
 
 Run ``python -m benchmarks.pool [--quick] [--max-mib N]``. ``run(quick=...)`` returns the rows
@@ -220,34 +221,6 @@ def bench_steady(sizes, rows, loops=15):
             del x, src, dst
 
 
-def bench_tiny(rows, n=10_000):
-    """multiprocessing.Pool and jaxtransport.Pool alternate repetition by repetition."""
-    import jaxtransport as jt
-
-    ctx = multiprocessing.get_context("spawn")
-    procs = 2
-    with jt.Pool(procs) as jpool, ctx.Pool(procs) as mpool:
-        jpool.map(noop, range(100))
-        mpool.map(noop, range(100))
-        for name, jfn, mfn in (
-            ("tiny_map", lambda: jpool.map(noop, range(n)), lambda: mpool.map(noop, range(n))),
-            ("tiny_apply", lambda: [r.get() for r in [jpool.apply_async(noop, (i,)) for i in range(n)]],
-             lambda: [r.get() for r in [mpool.apply_async(noop, (i,)) for i in range(n)]]),
-        ):
-            reps = 41 if name == "tiny_map" else 5  # a map is ~3 ms: many reps for a stable median
-            mfn()
-            jfn()
-            mts, jts = [], []
-            for k in range(reps):
-                pair = ((mts, mfn), (jts, jfn)) if k % 2 == 0 else ((jts, jfn), (mts, mfn))
-                for out, fn in pair:
-                    out.extend(_common.timed(fn, 1, warmup=0))
-            rows.append(_row(name, 0, "multiprocessing.Pool", mts, tasks=n))
-            _print_row(rows[-1])
-            rows.append(_row(name, 0, "jaxtransport.Pool", jts, base=_median(mts), tasks=n))
-            _print_row(rows[-1])
-
-
 def sleep_for(seconds):
     time.sleep(seconds)
     return seconds
@@ -379,7 +352,7 @@ def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
         print(f"{'':14} {n} workers / 1 worker = {sec / one:.2f}x", flush=True)
 
 
-GROUPS = ("transfers", "steady", "tiny", "beside_long", "stopped_worker", "broadcast")
+GROUPS = ("transfers", "steady", "beside_long", "stopped_worker", "broadcast")
 
 
 def run(quick: bool = False, max_bytes: int | None = None, only: tuple = GROUPS) -> list[dict]:
@@ -393,8 +366,6 @@ def run(quick: bool = False, max_bytes: int | None = None, only: tuple = GROUPS)
         bench_transfers(sizes, baselines_up_to=top, rows=rows)
     if "steady" in only:
         bench_steady([s for s in (64 * MIB, 256 * MIB) if s <= top], rows)
-    if "tiny" in only:
-        bench_tiny(rows)
     if "beside_long" in only:
         bench_beside_long(rows)
     if "stopped_worker" in only:
@@ -450,8 +421,6 @@ def check_targets(rows: list[dict]) -> list[str]:
             line(r["ratio"] >= 10, f"{r['name']} {r['size_bytes'] // MIB} MiB: {r['ratio']:.1f}x multiprocessing.Pool (>= 10x)")
         if r["name"].startswith("steady"):
             line(r["vs_memcpy"] <= 2, f"{r['name']} {r['size_bytes'] // MIB} MiB: {r['vs_memcpy']:.2f}x warm memcpy (<= 2x; stretch 1.25x)")
-        if r["name"].startswith("tiny"):
-            line(r["ratio"] >= 1.0, f"{r['name']} ({r['tasks']} tasks): {r['ratio']:.2f}x multiprocessing.Pool throughput (>= 1.0x)")
         if r["name"] == "beside_long":
             line(r["ratio"] >= 1 / 1.5, f"{r['tasks']} quick tasks beside a long one: {1 / r['ratio']:.2f}x multiprocessing.Pool's time (<= 1.5x)")
     # Like with like: the steady argument round trip against multiprocessing.Pool moving the

@@ -49,6 +49,7 @@ SCRATCH = os.path.join(RESULTS, "scratch")
 BENCHMARKS = (
     ("codec", "benchmarks.codec"),
     ("pool", "benchmarks.pool"),
+    ("tasks", "benchmarks.tasks"),
     ("first_call", "benchmarks.first_call"),
     ("startup", "benchmarks.startup"),
     ("usercode", "benchmarks.usercode"),

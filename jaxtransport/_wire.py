@@ -24,9 +24,11 @@ Entries travel as plain tuples ``(kind, *fields)`` and are read back as the reco
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -40,7 +42,18 @@ from ._nojax import jax_loaded
 from ._pickling import PICKLE_PROTOCOL
 from ._shm import ALIGN, Arena, Handle, Mapper
 
-__all__ = ["Encoded", "Held", "Prepared", "commit", "decode", "function_blob", "loads", "prepare", "standalone"]
+__all__ = [
+    "Encoded",
+    "Held",
+    "Prepared",
+    "commit",
+    "decode",
+    "function_blob",
+    "loads",
+    "prepare",
+    "prepare_many",
+    "standalone",
+]
 
 
 class Encoded:
@@ -176,8 +189,6 @@ def _fast_table(tree_type: type | None) -> dict:
     """copyreg's table + the routes + refusing entries for Tracers (the cloudpickle path then
     names them). One per ``tree_type`` (a function is pickled without, a chunk with), rebuilt
     only when copyreg's table changes size or JAX gets imported."""
-    import copyreg
-
     loaded = jax_loaded()
     key = (len(copyreg.dispatch_table), loaded)
     cached = _TABLES.get(tree_type)
@@ -237,9 +248,26 @@ def _load_fn(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def _by_reference(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function or builtin that pickles as its importable name (a
+    module other than ``__main__``): each chunk's C pickler writes that name, as cheaply as
+    a blob, and the worker looks it up (no blob to unpickle per chunk)."""
+    if type(fn) not in (types.FunctionType, types.BuiltinFunctionType) or _usercode.registered_by_value():
+        return False
+    module = getattr(fn, "__module__", None)
+    if not isinstance(module, str) or module in ("__main__", "__mp_main__"):
+        return False
+    obj: Any = sys.modules.get(module)
+    for part in getattr(fn, "__qualname__", "<").split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
+
+
 def function_blob(fn: Any, *, threshold: int | None, locate: Callable | None = None) -> Any:
     """``fn`` pickled once for reuse across chunks, or ``fn`` itself when it carries large
-    arrays (those must go through shared memory with each chunk)."""
+    arrays (those must go through shared memory with each chunk) or travels by its name."""
+    if _by_reference(fn):
+        return fn
     prep = prepare(fn, threshold=threshold, locate=locate)
     return fn if prep.found else FnBlob(prep.data)
 
@@ -315,6 +343,52 @@ def prepare(
         return Prepared(buf.getvalue(), router.found, router.trees)
     finally:
         _encoding.router = outer
+
+
+def prepare_many(
+    objs: list, *, threshold: int | None, tree_type: type | None = None, locates: list | None = None
+) -> list[Prepared]:
+    """``[prepare(obj, ...) for obj in objs]`` (``locates[i]`` for ``objs[i]``), with one
+    pickler and the checks that do not depend on the object done once: a map's chunks."""
+    if len(objs) < 2 or _usercode.registered_by_value():
+        return [
+            prepare(obj, threshold=threshold, tree_type=tree_type, locate=None if locates is None else locates[i])
+            for i, obj in enumerate(objs)
+        ]
+    limit = threshold if threshold is not None else 1 << 62
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
+    p.dispatch_table = _fast_table(tree_type)
+    tracer_error = _pickling.tracer_error_type()
+    out = []
+    outer = getattr(_encoding, "router", None)
+    try:
+        for i, obj in enumerate(objs):
+            router = _encoding.router = _Router(limit, tree_type)
+            buf.seek(0)
+            buf.truncate()
+            p.clear_memo()
+            try:
+                p.dump(obj)
+                data: bytes | None = buf.getvalue()
+            except tracer_error:
+                raise
+            except Exception:
+                data = None
+                p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)  # a fresh one after a failure
+                p.dispatch_table = _fast_table(tree_type)
+            if data is None or _mentions_main(data):
+                _encoding.router = outer
+                out.append(
+                    prepare(
+                        obj, threshold=threshold, tree_type=tree_type, locate=None if locates is None else locates[i]
+                    )
+                )
+                continue
+            out.append(Prepared(data, router.found, router.trees))
+    finally:
+        _encoding.router = outer
+    return out
 
 
 def commit(

@@ -1,9 +1,12 @@
 """The package's shape: no import circles, and the shared layers import nothing above them.
 
-The import graph is read from the source (every ``import``, function-level ones included; those
-under ``if TYPE_CHECKING:`` name a type only and run nowhere, so they are left out). A circle
-makes the import order matter and hides which module is the lower layer: ``_engine`` and
-``_manager`` once imported each other, so one of them had to import the other inside a function.
+The import graph is read from the source: every ``import``, function-level ones and those under
+``if TYPE_CHECKING:`` included. An import made for annotations only runs nowhere, but it still
+says that the module knows the other one: a lower part that names the type of the part driving
+it is in a circle with it, as structure tools and readers count it. A circle makes the import
+order matter and hides which module is the lower layer: ``_engine`` and ``_manager`` once
+imported each other (later, the manager named the ``Engine`` for its annotations only); the
+manager now takes a ``Books`` protocol of its own.
 """
 
 from __future__ import annotations
@@ -34,30 +37,18 @@ def _package_of(name: str) -> str:
     return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_imports(tree: ast.AST):
-    """Every import node, skipping the bodies of ``if TYPE_CHECKING:``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
+def _imports(tree: ast.AST):
+    """Every import node: module level, in functions, and under ``if TYPE_CHECKING:``."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def imports_of(name: str) -> set[str]:
-    """The jaxtransport modules ``name`` imports at run time."""
+    """The jaxtransport modules ``name`` imports, at run time or for annotations only."""
     out: set[str] = set()
     tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
-    for node in _runtime_imports(tree):
+    for node in _imports(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
@@ -112,11 +103,21 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
-def test_the_graph_reader_sees_function_level_imports_and_skips_type_checking():
-    # pool/_worker imports _wire inside a function; _manager names the Engine only for mypy.
+def test_the_graph_reader_sees_function_level_and_annotation_only_imports():
+    # pool/_worker imports _wire inside a function; the package's __init__ imports its public
+    # names' modules only under TYPE_CHECKING (they load lazily).
     assert "jaxtransport._wire" in GRAPH["jaxtransport.pool._worker"]
-    assert "jaxtransport.pool._engine" not in GRAPH["jaxtransport.pool._manager"]
+    assert "jaxtransport.pool._facade" in GRAPH["jaxtransport.pool"]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._engine import Engine\n"
+    assert [n.module for n in _imports(ast.parse(source))] == ["typing", "_engine"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_manager_does_not_know_the_engine():
+    """The engine builds the manager; the manager is given what it needs (``Books``), so it
+    imports the engine in no form, for annotations neither."""
+    assert "jaxtransport.pool._engine" not in GRAPH["jaxtransport.pool._manager"]
+    assert "jaxtransport.pool._manager" in GRAPH["jaxtransport.pool._engine"]
 
 
 def test_no_import_circles():

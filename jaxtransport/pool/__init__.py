@@ -26,6 +26,10 @@ Threads and what they own (parent process unless said):
 - the manager thread: reads every worker's pipe without blocking, watches process sentinels,
   decodes results, replaces dead workers, takes unstarted chunks back from a stalled worker
   (Note [taking back a chunk] in ``_worker``), passes on releases every ``RELEASE_FLUSH_S``.
+  Per batch of messages it does nothing per worker (the poll set is rebuilt only when the
+  workers change, stalls are looked for every ``STALL_CHECK_S``): its cost per task does not
+  grow with the number of workers; a run of results leaves the books under one acquisition
+  of the engine's lock, and one dispatch follows the batch.
   It never writes to a pipe and never runs user code, so no worker and no callback can stall it.
 - one sender thread per worker: the only thread that may block writing to that worker (a busy,
   slow or SIGSTOPped worker stalls only its own sender); ``Sender.post`` writes directly when
@@ -34,9 +38,12 @@ Threads and what they own (parent process unless said):
   Executor future without done-callbacks is completed by the manager: setting it runs no user
   code). A worker records the chunk it starts in a shared cell, read when it dies (Note
   [started] in ``_worker``): no message per task for that.
-- the imap feeder (one per ``imap`` call): submits imap chunks while fewer than
-  ``2 * processes + 2`` are in flight or finished and unconsumed.
-- the Executor's dispatcher (``_executor``): moves queued calls to the pool as room frees up;
+- the imap feeder (one per ``imap`` call): submits imap chunks, a batch at a time, while fewer
+  than ``2 * processes + 2`` are in flight or finished and unconsumed (8 times as many once the
+  results show they need no shared memory: ``Engine.imap_window``); woken when chunks finish
+  or are consumed.
+- the Executor's dispatcher (``_executor``): moves queued calls to the pool in batches as room
+  frees up (one lock acquisition and one write per worker for calls without shared memory);
   after ``shutdown(wait=False)`` a closer thread waits for the calls, then closes the pool.
 - the reaper: a pool collected while running is terminated from a thread of its own
   (``terminate_unreferenced``), never inside the finalizer.

@@ -34,6 +34,7 @@ from ._scheduler import Chunk, Scheduler
 from ._trees import TreeBook, TreeRec
 from ._worker import WorkerConfig
 
+IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -110,10 +111,10 @@ class Engine:
         self.trees = TreeBook(self)
         self.chunk_ids = itertools.count()
         self.serials = itertools.count()
-        self.early_deaths = 0
         self.tls = threading.local()
         self.space = _lockorder.condition("Engine.space")  # imap feeding backpressure
-        self.imap_feeders = 0  # imap feeder threads that may wait on space (under space)
+        self.imap_waiting = 0  # imap feeders waiting on space (a hint for imap_progress)
+        self.imap_need = 0  # chunks to finish or be consumed before a waiting feeder has room
         self.callbacks = CallbackRunner()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -230,35 +231,66 @@ class Engine:
         return rec
 
     # -- imap's backpressure (its feeder threads)
-    def add_imap_feeder(self) -> None:
-        with self.space:
-            self.imap_feeders += 1
-
-    def remove_imap_feeder(self) -> None:
-        with self.space:
-            self.imap_feeders -= 1
-
-    def wait_for_imap_room(self, unconsumed: Callable[[], int]) -> None:
-        """Wait while ``2 * processes + 2`` chunks are in flight or finished and not consumed
-        (``unconsumed()``: the iterator's); raises PoolStateError once the pool has stopped."""
+    def imap_window(self, light_results: int) -> int:
+        """How many of an imap's chunks may be in flight or finished and not consumed:
+        ``2 * processes + 2``, and ``IMAP_WIDE`` times that once as many results in a row came
+        back without shared memory (small results: piling them up costs only the parent's
+        memory, as for multiprocessing.Pool, which does not bound imap at all; a deeper queue
+        keeps tiny tasks' workers busy). Never widened once a result used shared memory."""
         limit = 2 * self.processes + 2
+        return limit * IMAP_WIDE if light_results >= limit else limit
+
+    def wait_for_imap_room(self, unconsumed: Callable[[], int], light_results: Callable[[], int]) -> int:
+        """Wait until at least half of ``imap_window`` chunks may be sent: that many less are
+        in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns how
+        many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
+        PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
+        finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
         with self.space:
-            while (self.in_flight() + unconsumed() >= limit) and not self.flags.stopped:
-                self.space.wait(SPACE_POLL_S)
-        if self.flags.stopped:
-            raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+            while not self.flags.stopped:
+                limit = self.imap_window(light_results())
+                want = max(1, limit // 2)
+                busy = self.in_flight()
+                room = limit - busy - unconsumed()
+                if room >= want or (room > 0 and busy == 0):
+                    return room
+                self.imap_need = max(1, want - room)
+                self.imap_waiting += 1
+                try:
+                    self.space.wait(SPACE_POLL_S)
+                finally:
+                    self.imap_waiting -= 1
+        raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
+
+    def imap_progress(self) -> None:
+        """A chunk finished or an imap result was consumed: wake a waiting feeder once enough
+        did (a hint read without a lock; the feeder also looks again on its own)."""
+        if self.imap_waiting:
+            self.imap_need -= 1
+            if self.imap_need <= 0:
+                with self.space:
+                    self.space.notify_all()
 
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
+
+    def prepare_chunks(self, fn, mode, parts: list, locates: list) -> list[_wire.Prepared]:
+        """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
+        return _wire.prepare_many(
+            [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
+        )
 
     def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
         return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
 
     def submit(self, prep: _wire.Prepared, result, index: int) -> None:
         """Copy a prepared chunk's arrays into shared memory and queue it."""
-        self.trees.check_usable(prep.trees)
         chunk_id = next(self.chunk_ids)
-        enc = self._commit(prep, ("chunk", chunk_id))
+        if not prep.found and not prep.trees:  # nothing to copy (the common small task)
+            enc = _wire.Encoded(prep.data, [], [], prep.trees, ())
+        else:
+            self.trees.check_usable(prep.trees)
+            enc = self._commit(prep, ("chunk", chunk_id))
         self._enqueue([Chunk(chunk_id, result, index, enc)])
 
     def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
@@ -274,14 +306,14 @@ class Engine:
                 self.flags.check_running()
             raise
 
-    def submit_plain(self, preps: list, result) -> None:
-        """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go:
-        one dispatch, so each worker gets its share of them in one write."""
+    def submit_plain(self, items: list) -> None:
+        """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go,
+        ``items`` being (prepared chunk, result, index) each: one lock acquisition and one
+        dispatch, so each worker gets its share of them in one write. All or none are queued."""
         chunks = []
-        for index, prep in enumerate(preps):
+        for prep, result, index in items:
             chunk_id = next(self.chunk_ids)
-            enc = _wire.commit(prep, arena=None, borrower=("chunk", chunk_id))
-            chunks.append(Chunk(chunk_id, result, index, enc))
+            chunks.append(Chunk(chunk_id, result, index, _wire.Encoded(prep.data, [], [], prep.trees, ())))
         self._enqueue(chunks)
 
     def _enqueue(self, chunks: list) -> None:
@@ -290,11 +322,14 @@ class Engine:
         with self.lock:
             if self.flags.stopped:
                 for chunk in chunks:
-                    self.arena.release_all(chunk.key)
+                    if chunk.enc.handles:
+                        self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
+            add = self.scheduler.add
             for chunk in chunks:
-                self.trees.use(chunk.trees)
-                self.scheduler.add(chunk)
+                if chunk.trees:
+                    self.trees.use(chunk.trees)
+                add(chunk)
             self.dispatch()
 
     def dispatch(self) -> None:
@@ -305,8 +340,9 @@ class Engine:
         for w, chunk in self.scheduler.assign(self.workers):
             w.sent += 1
             chunk.seq = w.sent
-            self.arena.transfer(chunk.enc.handles, chunk.key, w.key)
             enc = chunk.enc
+            if enc.handles:
+                self.arena.transfer(enc.handles, chunk.key, w.key)
             if chunk.trees or enc.segs:
                 batch = batches.pop(w, None)
                 if batch:
@@ -316,7 +352,9 @@ class Engine:
                 segs = self.new_segments(w, enc.segs)
             else:
                 segs = None
-            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, w.mapper.take_releases(64)))
+            mapper = w.mapper
+            releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
+            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, releases))
             if segs:
                 w.post(task, segs)
             else:
@@ -404,12 +442,12 @@ class Engine:
             if result is not None:
                 self.callbacks.deliver(result, chunk.index, ok, value)
         finally:
-            if self.imap_feeders:
-                with self.space:
-                    self.space.notify_all()
+            if self.imap_waiting:
+                self.imap_progress()
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
-        self.arena.release_all(chunk.key)
+        if chunk.enc.handles:
+            self.arena.release_all(chunk.key)
         self.finish_chunk(chunk, False, exc)
 
     def own_holder(self, handle: Handle):

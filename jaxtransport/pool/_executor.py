@@ -6,9 +6,10 @@ Same workers, shared memory, placements, tracer errors and crash handling as
 
 Flow: ``submit`` hands a call to the pool at once (pickling and copying large arrays in the
 caller's thread, so a Tracer or an unpicklable argument raises there) while fewer than
-``2 * max_workers`` calls are in flight; beyond that the call waits in the executor's queue as a
-*pending* future, which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A
-*dispatcher* thread (started on first need) moves pending calls to the pool as calls finish. A
+``2 * max_workers`` calls are in flight (8 times as many for calls without shared memory: Note
+[executor window]); beyond that the call waits in the executor's queue as a *pending* future,
+which ``cancel()`` and ``shutdown(cancel_futures=True)`` can still cancel. A *dispatcher* thread
+(started on first need) moves pending calls to the pool in batches once half the room is free. A
 future that succeeded and has no done-callbacks is completed by the pool's manager thread
 itself (setting it only wakes its waiters: no user code, no hop); any other is completed by the
 pool's callback thread, which also runs the done-callbacks. Neither pickles or waits.
@@ -37,7 +38,7 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _lockorder
@@ -133,7 +134,11 @@ class Executor(concurrent.futures.Executor):
                 raise ValueError("max_tasks_per_child must be >= 1")
         _register_exit()
         self._pool = _FuturesPool(max_workers, initializer, initargs, max_tasks_per_child, **pool_kwargs)
-        self._max_in_flight = 2 * self._pool.processes
+        # Calls handed to the pool at once: 2 per worker, EXECUTOR_WIDE times that while the
+        # calls and results need no shared memory (Note [executor window]).
+        self._narrow = 2 * self._pool.processes
+        self._max_in_flight = self._narrow
+        self._light = 0  # results in a row that needed no shared memory
         self._lock = _lockorder.lock("Executor._lock")
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Call] = collections.deque()
@@ -270,7 +275,8 @@ class Executor(concurrent.futures.Executor):
             )
             self._dispatcher.start()
 
-    def _send(self, call: _Call) -> None:
+    def _result_for(self, call: _Call) -> FuturesResult:
+        """The pool result that completes ``call``'s future."""
         fut = call.future
 
         def done(value: Any) -> None:
@@ -301,17 +307,75 @@ class Executor(concurrent.futures.Executor):
             return True
 
         result = FuturesResult(self._pool, done, failed, fast)
+        result.note_result = self._note_result
+        return result
+
+    # Note [executor window]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # Calls beyond the window wait in the executor, cancellable, and their arguments are not
+    # yet copied into shared memory: 2 calls per worker bound that memory and keep most calls
+    # cancellable, as concurrent.futures keeps about one per worker in its call queue. For
+    # small calls the same window starves the workers: each runs a call and waits for the
+    # round trip of the next (tiny tasks ran 3-4x slower in the parent's CPU time). So once
+    # as many results in a row as the window holds came back without shared memory, the
+    # window widens EXECUTOR_WIDE times; a call or result with an array in shared memory
+    # narrows it again at once (calls already handed over stay there).
+    def _note_result(self, shared: bool) -> None:
+        """The manager thread: a call's result arrived, through shared memory or not."""
+        if shared:
+            self._narrow_window()
+        else:
+            self._light += 1
+            if self._light >= self._narrow:
+                self._max_in_flight = self._narrow * EXECUTOR_WIDE
+
+    def _narrow_window(self) -> None:
+        self._light = 0
+        self._max_in_flight = self._narrow
+
+    def _pool_stopped(self, e: PoolStateError) -> BrokenExecutorError:
+        if not self._shutdown or self._reusable:
+            self._mark_broken(e)
+        broken = BrokenExecutorError(f"This jaxtransport.Executor is broken: {e}")
+        broken.__cause__ = e
+        return broken
+
+    def _send(self, call: _Call) -> None:
         try:
-            self._pool.submit_call(call.fn, call.args, call.kwargs, result)
+            heavy = self._pool.submit_call(call.fn, call.args, call.kwargs, self._result_for(call))
         except PoolStateError as e:
-            if not self._shutdown or self._reusable:
-                self._mark_broken(e)
-            raise BrokenExecutorError(f"This jaxtransport.Executor is broken: {e}") from e
+            raise self._pool_stopped(e) from e
+        if heavy:
+            self._narrow_window()
+
+    def _send_many(self, calls: list[_Call]) -> None:
+        """The dispatcher: send ``calls`` (running, counted in flight) to the pool at once; a
+        call that cannot be sent fails its own future."""
+        results = {}
+        batch = []
+        for call in calls:
+            result = self._result_for(call)
+            results[id(result)] = call
+            batch.append((call.fn, call.args, call.kwargs, result))
+        try:
+            failed, heavy = self._pool.submit_calls(batch)
+        except PoolStateError as e:
+            broken = self._pool_stopped(e)
+            failed, heavy = [(r, broken) for *_, r in batch], False
+        if heavy:
+            self._narrow_window()
+        for result, exc in failed:
+            self._finished()
+            results[id(result)].future.set_exception(exc)
 
     def _finished(self) -> None:
         with self._lock:
             self._in_flight -= 1
-            self._wake.notify_all()
+            n = self._in_flight
+            # Wake the dispatcher once half the room is free (it then sends a batch), and
+            # whoever waits for idleness at zero: not at every call.
+            if n == 0 or (n <= self._max_in_flight // 2 and self._pending):
+                self._wake.notify_all()
 
     def _mark_broken(self, cause: BaseException) -> None:
         with self._lock:
@@ -322,17 +386,20 @@ class Executor(concurrent.futures.Executor):
             if call.future.set_running_or_notify_cancel():
                 call.future.set_exception(BrokenExecutorError(f"This jaxtransport.Executor is broken: {cause}"))
 
-    def _next_call(self) -> _Call | None:
-        """Dispatcher: the next pending call once there is room; None (the thread ends) when
-        nothing is pending or the pool broke. ``submit`` starts a new one when needed."""
+    def _next_calls(self) -> list[_Call]:
+        """Dispatcher: the pending calls there is room for, once there is room; empty (the
+        thread ends) when nothing is pending or the pool broke. ``submit`` starts a new one
+        when needed."""
         with self._lock:
             while True:
                 if self._broken is not None or not self._pending:
                     self._dispatcher = None
-                    return None
-                if self._in_flight < self._max_in_flight:
-                    self._in_flight += 1
-                    return self._pending.popleft()
+                    return []
+                room = self._max_in_flight - self._in_flight
+                if room > 0:
+                    calls = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+                    self._in_flight += len(calls)
+                    return calls
                 self._wake.wait()
 
     def _wait_idle(self) -> None:
@@ -360,11 +427,17 @@ class _FuturesPool(Pool):
         """The number of worker processes (``max_workers``)."""
         return self._processes
 
-    def submit_call(self, fn: Callable, args: tuple, kwargs: dict, result: AsyncResult) -> None:
+    def submit_call(self, fn: Callable, args: tuple, kwargs: dict, result: AsyncResult) -> bool:
         """Send one call completing ``result`` (``Pool.apply_async``'s path, with the result
         the Executor made: raises here, as ``apply_async`` does, for a Tracer, an argument that
         does not pickle or a pool that has stopped)."""
-        self._submit_apply(fn, args, kwargs, result)
+        return self._submit_apply(fn, args, kwargs, result)
+
+    def submit_calls(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> tuple[list, bool]:
+        """Send many calls ``(fn, args, kwargs, result)`` at once (``Pool._submit_applies``):
+        returns ``(result, exception)`` for each that could not be sent, and whether any call
+        sent used shared memory; raises PoolStateError when the pool has stopped."""
+        return self._submit_applies(calls)
 
 
 def _pop_result(futures: list, timeout: float | None) -> Any:
@@ -382,17 +455,24 @@ def _pop_result(futures: list, timeout: float | None) -> Any:
 def _dispatch(ref: weakref.ref) -> None:
     ex = ref()
     while ex is not None:
-        call = ex._next_call()
-        if call is None:
+        calls = ex._next_calls()
+        if not calls:
             return
-        if not call.future.set_running_or_notify_cancel():
-            ex._finished()
-            continue
-        try:
-            ex._send(call)
-        except BaseException as e:  # noqa: BLE001 - the call's own failure (pickling, broken pool)
-            ex._finished()
-            call.future.set_exception(e)
+        running = []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                running.append(call)
+            else:
+                ex._finished()
+        if running:
+            try:
+                ex._send_many(running)
+            except BaseException as e:  # noqa: BLE001 - never leave the calls' futures waiting
+                for call in running:
+                    if not call.future.done():
+                        ex._finished()
+                        call.future.set_exception(e)
+        del calls, running
 
 
 def _close_when_idle(ex: Executor) -> None:
@@ -404,6 +484,7 @@ def _close_when_idle(ex: Executor) -> None:
         pass
 
 
+EXECUTOR_WIDE = 8  # how much wider the window gets for calls without shared memory
 _reusable_lock = threading.Lock()
 _reusable: tuple[Executor, tuple] | None = None
 

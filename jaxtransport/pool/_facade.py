@@ -29,7 +29,7 @@ import multiprocessing
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _nojax, _procenv, _shm, _usercode
@@ -198,9 +198,9 @@ class Pool:
         self._submit_apply(func, args, kwds, result)
         return result
 
-    def _submit_apply(self, func: Callable, args: Iterable[Any], kwds: dict | None, result: AsyncResult) -> None:
+    def _submit_apply(self, func: Callable, args: Iterable[Any], kwds: dict | None, result: AsyncResult) -> bool:
         """Send one call completing ``result`` (``apply_async``; the Executor passes results
-        of its own)."""
+        of its own); returns whether it used shared memory (an array or a SharedTree)."""
         state = self._state
         state.check_running()
         kwds = {} if kwds is None else kwds
@@ -211,6 +211,45 @@ class Pool:
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
+        return bool(prep.found or prep.trees)
+
+    def _submit_applies(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> tuple[list, bool]:
+        """Send many calls ``(func, args, kwds, result)`` at once (the Executor's dispatcher):
+        those that need no shared memory in one go (one lock acquisition, one write per
+        worker). Returns ``(result, exception)`` for each call that could not be sent (its
+        arguments do not pickle, a Tracer) and whether any call used shared memory; raises
+        PoolStateError, sending none of the rest, when the pool has stopped."""
+        state = self._state
+        state.check_running()
+        failed: list = []
+        plain: list = []
+        heavy = False
+        for func, args, kwds, result in calls:
+            try:
+
+                def locate(args: tuple = args, kwds: dict = kwds, func: Callable = func) -> str | None:
+                    return first_tracer((args, "args"), (kwds, "kwds"), (func, "func"))
+
+                prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
+            except Exception as e:  # noqa: BLE001 - this call's own failure
+                failed.append((result, e))
+                continue
+            if prep.found or prep.trees:
+                heavy = True
+                if plain:
+                    batch, plain = plain, []
+                    state.submit_plain(batch)
+                try:
+                    state.submit(prep, result, 0)
+                except PoolStateError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. ShmCapacityError: this call only
+                    failed.append((result, e))
+            else:
+                plain.append((prep, result, 0))
+        if plain:
+            state.submit_plain(plain)
+        return failed, heavy
 
     def apply(self, func: Callable, args: tuple = (), kwds: dict | None = None) -> Any:
         """``apply_async(...).get()``."""
@@ -238,15 +277,16 @@ class Pool:
         chunksize = max(chunksize, 1)
         # Phase 1 for every chunk first: a Tracer or unpicklable item anywhere fails the call
         # before any shared memory is taken or any task sent.
-        preps = []
         blob = state.function_blob(func) if len(items) > chunksize else func
-        for start in range(0, len(items), chunksize):
-            part = items[start : start + chunksize]
-            preps.append(state.prepare_chunk(blob, mode, part, _locator(func, part, start)))
+        starts = range(0, len(items), chunksize)
+        parts = [items[start : start + chunksize] for start in starts]
+        preps = state.prepare_chunks(
+            blob, mode, parts, [_locator(func, part, start) for part, start in zip(parts, starts)]
+        )
         result = MapResult(self, len(items), chunksize, callback, error_callback)
         if not any(prep.found or prep.trees for prep in preps):
             try:
-                state.submit_plain(preps, result)
+                state.submit_plain([(prep, result, i) for i, prep in enumerate(preps)])
             except BaseException as e:
                 result.chunk_done(0, False, e)
                 raise
@@ -293,15 +333,14 @@ class Pool:
         state.check_running()
         if not isinstance(chunksize, int) or chunksize < 1:
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
-        it = IMapIterator(self, ordered)
+        it = IMapIterator(self, ordered, on_consumed=state.imap_progress)
         if isinstance(iterable, (list, tuple, range)):
             # Phase 1 here, so a Tracer or an unpicklable item fails the call itself.
-            preps = []
             blob = state.function_blob(func) if len(iterable) > chunksize else func
-            for start in range(0, len(iterable), chunksize):
-                part = list(iterable[start : start + chunksize])
-                preps.append(state.prepare_chunk(blob, "map", part, _locator(func, part, start)))
-            source = iter(preps)
+            starts = range(0, len(iterable), chunksize)
+            parts = [list(iterable[start : start + chunksize]) for start in starts]
+            locates = [_locator(func, part, start) for part, start in zip(parts, starts)]
+            source = iter(state.prepare_chunks(blob, "map", parts, locates))
         else:
             source = _prepare_lazily(state, func, iter(iterable), chunksize)
         threading.Thread(
@@ -392,20 +431,39 @@ def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunks
 
 def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     """Submit imap's chunks as the engine makes room for them (``Engine.wait_for_imap_room``:
-    backpressure on both the workers and the results)."""
+    backpressure on both the workers and the results), a batch per wait: the chunks that need
+    no shared memory together (one lock acquisition and one write per worker)."""
     index = 0
-    state.add_imap_feeder()
     try:
-        for prep in preps:
-            state.wait_for_imap_room(it.unconsumed)
-            state.submit(prep, it, index)
-            index += 1
-            del prep
+        while True:
+            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results)
+            plain: list = []
+            try:
+                for _ in range(room):
+                    prep = next(preps, None)
+                    if prep is None:
+                        break
+                    if prep.found or prep.trees:
+                        if plain:
+                            batch, plain = plain, []
+                            state.submit_plain(batch)
+                            index += len(batch)
+                        state.submit(prep, it, index)
+                        index += 1
+                    else:
+                        plain.append((prep, it, index + len(plain)))
+                    del prep
+                else:
+                    continue
+                break  # the source is exhausted
+            finally:
+                if plain:  # what was prepared before the source ended or raised goes first
+                    batch, plain = plain, []
+                    state.submit_plain(batch)
+                    index += len(batch)
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it.chunk_done(index, False, e)
         index += 1
-    finally:
-        state.remove_imap_feeder()
     it.set_length(index)
 
 

@@ -9,26 +9,30 @@ loop breaks the pool with that error instead of leaving its callers waiting.
 
 Handlers, one per message kind: ``on_result``, ``on_release``, ``on_forget``, ``on_ready``,
 ``on_leaving``, ``on_garbled``; and ``worker_exited`` for a process that ended.
+
+The manager does not know the engine that owns it: it is given a :class:`Books` (the books
+it reads and changes under their lock, and the few actions it asks for), which the engine is.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from .. import _shm, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
+from .._shm import Handle
 from . import _protocol
-from ._lifecycle import MAX_EARLY_DEATHS
+from ._lifecycle import MAX_EARLY_DEATHS, Lifecycle
 from ._processes import WorkerRec, close_worker, diagnose_start, signal_name
 from ._protocol import RELEASE_FLUSH_S
-
-if TYPE_CHECKING:  # the Engine owns the Manager; only its type is named here
-    from ._engine import Engine
+from ._scheduler import Chunk, Scheduler
+from ._trees import TreeBook
 
 INIT_EXIT_GRACE_S = 2.0  # how long a worker whose initializer failed may take to exit by itself
 
@@ -51,12 +55,72 @@ def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
     return exc
 
 
+class Books(Protocol):
+    """What the manager reads and asks of the part that owns it (the engine, ``_engine``): the
+    books under ``lock`` (the scheduler, the worker list, the tree book), the arena, the flags,
+    the wake pipe's read end, and the actions below. The manager never names the engine's type."""
+
+    @property
+    def lock(self) -> Any: ...  # the engine's RLock over the books
+    @property
+    def flags(self) -> Lifecycle: ...
+    @property
+    def workers(self) -> list[WorkerRec]: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def arena(self) -> _shm.Arena: ...
+    @property
+    def trees(self) -> TreeBook: ...
+    @property
+    def wake_r(self) -> int: ...
+    @property
+    def placement(self) -> str: ...
+
+    def dispatch(self) -> None:
+        """Lock held: hand pending chunks to the workers that may take them."""
+
+    def finish_chunk(self, chunk: Chunk, ok: bool, value: Any) -> None:
+        """Complete a chunk's result (no lock held)."""
+
+    def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
+        """Release a chunk's slots and fail its result (no lock held)."""
+
+    def break_pool(self, err: BaseException, cause: BaseException | None = None) -> None:
+        """Fail every unfinished task and stop the workers."""
+
+    def start_worker(self, index: int) -> WorkerRec:
+        """A new worker process in place ``index`` (lock held)."""
+
+    def worker_environ(self, index: int) -> dict:
+        """The environment worker ``index`` starts with."""
+
+    def stalled(self, now: float) -> bool:
+        """A hint, without the lock: may chunks wait behind a stalled one while a worker idles?"""
+
+    def take_back(self) -> int:
+        """Move chunks a stalled worker has not started to idle workers (takes the lock)."""
+
+    def resume(self, w: WorkerRec) -> None:
+        """``w``, held back after a take-back, showed it runs (takes the lock)."""
+
+    def own_holder(self, handle: Handle) -> Any:
+        """A holder over one of the parent's own slots that a worker sent back."""
+
+
+# How often the loop looks for stalled workers at most (a scan over all of them; a take-back
+# waits STALL_S anyway).
+STALL_CHECK_S = 0.01
+
+
 class Manager:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Books):
         self.engine = engine
         self.thread = threading.Thread(target=self.run, name="jaxtransport-pool-manager", daemon=True)
         self.last_flush = 0.0
         self.finished_any = False
+        self.early_deaths = 0  # workers in a row that died before they were ready
+        self.roster_changed = True  # a worker died or was replaced: the loop re-reads the list
 
     def start(self) -> None:
         self.thread.start()
@@ -77,41 +141,53 @@ class Manager:
         engine = self.engine
         poller = select.poll()
         registered: dict[int, tuple] = {}
+        roster: list = []  # the workers as last registered (the poller is rebuilt when it changes)
+        workers: list = []
+        last_stall_check = 0.0
         while True:
-            with engine.lock:
-                if engine.flags.terminated:
-                    return
-                workers = [w for w in engine.workers if not w.dead]
-                if engine.flags.closed and not workers and not engine.scheduler.pending:
-                    return
-                if engine.flags.broken is not None and not workers:
-                    return
-            wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
-            for w in workers:
-                wanted[w.sock.fileno()] = ("conn", w)
-                wanted[w.sentinel] = ("sentinel", w)
-            if wanted.keys() != registered.keys() or any(registered[k][1] is not v[1] for k, v in wanted.items()):
-                for fd in registered:
-                    try:
-                        poller.unregister(fd)
-                    except (KeyError, ValueError, OSError):
-                        pass
-                for fd in wanted:
-                    poller.register(fd, select.POLLIN)
-                registered = wanted
+            flags = engine.flags
+            if flags.terminated:
+                return
+            current = engine.workers
+            if flags.closed or flags.broken is not None or len(current) != len(roster) or self.roster_changed:
+                # Something may have changed: read the books under the lock (else nothing
+                # per worker is done here per message: its cost must not grow with workers).
+                with engine.lock:
+                    if flags.terminated:
+                        return
+                    workers = [w for w in engine.workers if not w.dead]
+                    if flags.closed and not workers and not engine.scheduler.pending:
+                        return
+                    if flags.broken is not None and not workers:
+                        return
+                    changed = self.roster_changed or [id(w) for w in workers] != [id(w) for w in roster]
+                    self.roster_changed = False
+                if changed:
+                    roster = workers
+                    wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
+                    for w in workers:
+                        wanted[w.sock.fileno()] = ("conn", w)
+                        wanted[w.sentinel] = ("sentinel", w)
+                    for fd in registered:
+                        try:
+                            poller.unregister(fd)
+                        except (KeyError, ValueError, OSError):
+                            pass
+                    for fd in wanted:
+                        poller.register(fd, select.POLLIN)
+                    registered = wanted
             try:
                 events = poller.poll(RELEASE_FLUSH_S * 1000)
             except InterruptedError:
                 events = []
-            engine.trees.drain_collected()
+            if engine.trees.collected:
+                engine.trees.drain_collected()
             for fd, _ev in events:
-                if engine.flags.terminated:
+                if flags.terminated:
                     return
                 kind, w = registered.get(fd, (None, None))
                 if kind == "wake":
                     try:
-                        import os
-
                         os.read(engine.wake_r, 4096)
                     except OSError:
                         pass
@@ -121,21 +197,49 @@ class Manager:
                     self.read_from(w)
                     self.worker_exited(w)
             now = time.monotonic()
-            if engine.stalled(now):
-                engine.take_back()
+            if now - last_stall_check >= STALL_CHECK_S:  # a scan over the workers: not per message
+                last_stall_check = now
+                if engine.stalled(now):
+                    engine.take_back()
             if now - self.last_flush >= RELEASE_FLUSH_S:
                 self.last_flush = now
-                self.flush(workers)
+                self.flush(roster)
 
     def read_from(self, w: WorkerRec) -> None:
         frames, eof = w.reader.read()
         self.finished_any = False
         if frames and w.held_back:
             self.engine.resume(w)
+        msgs: list = []
         for raw in frames:
-            if w.dead:
+            try:
+                msgs.append(_protocol.loads(raw, _protocol.TO_PARENT))
+            except CorruptTransferError as e:
+                msgs.append(e)  # nothing after it is read: the worker is retired there
                 break
-            self.on_frame(w, raw)
+        i = 0
+        while i < len(msgs) and not w.dead:
+            msg = msgs[i]
+            if type(msg) is _protocol.Result:
+                # A run of results: their chunks leave the books under one acquisition of
+                # the engine's lock, then each is decoded and completed with no lock held.
+                j = i + 1
+                while j < len(msgs) and type(msgs[j]) is _protocol.Result:
+                    j += 1
+                group = msgs[i:j]
+                with self.engine.lock:
+                    chunks = [self.engine.scheduler.finished(w, m.chunk_id) for m in group]
+                for m, chunk in zip(group, chunks):
+                    self.complete(w, m, chunk)
+                del group, chunks
+                i = j
+            elif isinstance(msg, CorruptTransferError):
+                self.retire(w, f"it sent a malformed message ({msg})")
+                break
+            else:
+                self.HANDLERS[type(msg)](self, w, msg)
+                i += 1
+        del msgs
         if self.finished_any:  # once per batch of messages, not per result
             with self.engine.lock:
                 self.engine.dispatch()
@@ -173,15 +277,23 @@ class Manager:
 
     # -- handlers
     def on_result(self, w: WorkerRec, msg: _protocol.Result) -> None:
+        with self.engine.lock:
+            chunk = self.engine.scheduler.finished(w, msg.chunk_id)
+        self.complete(w, msg, chunk)
+
+    def complete(self, w: WorkerRec, msg: _protocol.Result, chunk: Chunk | None) -> None:
+        """A result whose chunk (None: no longer in flight) left the books: decode it, release
+        what it says, complete the chunk's result (no lock held)."""
         engine = self.engine
         w.pace = msg.seconds if w.pace is None else 0.7 * w.pace + 0.3 * msg.seconds
-        with engine.lock:
-            chunk = engine.scheduler.finished(w, msg.chunk_id)
         ok = msg.ok
-        unheld = list(msg.unheld)
+        unheld = msg.unheld
         if ok:
             try:
-                value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+                if msg.entries:
+                    value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+                else:  # nothing in shared memory: the pickle alone
+                    value = _wire.loads(msg.data, engine.placement)
             except BaseException as e:  # noqa: BLE001 - this task's failure only
                 ok, value = False, e
         else:
@@ -201,6 +313,9 @@ class Manager:
                 if h is not None:
                     engine.arena.release(h, w.key)
         if chunk is not None:
+            note = getattr(chunk.result, "note_result", None)  # imap's window (IMapIterator)
+            if note is not None:
+                note(bool(msg.entries))
             engine.finish_chunk(chunk, ok, value)
         del value
         self.finished_any = True  # read_from dispatches what the worker's place allows
@@ -216,7 +331,7 @@ class Manager:
         engine = self.engine
         if msg.ok:
             w.ready = True
-            engine.early_deaths = 0
+            self.early_deaths = 0
             return
         exc = rebuild_error(msg.error)
         # The worker exits by itself once it has said so: let it (bounded), so that what its
@@ -275,6 +390,7 @@ class Manager:
         code = w.proc.exitcode
         with engine.lock:
             w.dead = True
+            self.roster_changed = True
             if w in engine.workers:
                 engine.workers.remove(w)
             running, queued = engine.scheduler.lost(w)  # those never started run elsewhere
@@ -301,21 +417,22 @@ class Manager:
         spawn_error = None
         with engine.lock:
             if not w.ready and w.fault is None:
-                engine.early_deaths += 1
+                self.early_deaths += 1
             if engine.flags.stopped:
                 return
-            if engine.early_deaths < MAX_EARLY_DEATHS and not (
+            if self.early_deaths < MAX_EARLY_DEATHS and not (
                 engine.flags.closed and engine.scheduler.idle(engine.workers)
             ):
                 try:
                     engine.workers.append(engine.start_worker(w.index))
+                    self.roster_changed = True
                 except Exception as e:  # noqa: BLE001
-                    engine.early_deaths = MAX_EARLY_DEATHS
+                    self.early_deaths = MAX_EARLY_DEATHS
                     spawn_error = e
                 else:
                     engine.dispatch()
                     return
-        if engine.early_deaths >= MAX_EARLY_DEATHS:
+        if self.early_deaths >= MAX_EARLY_DEATHS:
             if spawn_error is None and not w.reached_worker_code():
                 # It died running the main script as __mp_main__: show why (no lock held).
                 why = "It died while starting up, before any jaxtransport code ran in it. " + diagnose_start(

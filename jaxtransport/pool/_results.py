@@ -191,6 +191,9 @@ class FuturesResult(AsyncResult):
     ) -> None:
         super().__init__(keepalive, callback, error_callback)
         self._fast = fast
+        # note_result(shared): told by the manager whether the result came through shared
+        # memory (the Executor's window, Note [executor window] in _executor).
+        self.note_result: Callable[[bool], None] | None = None
 
 
 class MapResult(AsyncResult):
@@ -233,8 +236,12 @@ class IMapIterator:
     """The iterator of ``imap`` (ordered) / ``imap_unordered``; ``next(timeout)`` as in
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
-    def __init__(self, keepalive: Any, ordered: bool) -> None:
+    def __init__(self, keepalive: Any, ordered: bool, on_consumed: Callable[[], None] | None = None) -> None:
         self._cond = _lockorder.condition("IMapIterator._cond")
+        self._on_consumed = on_consumed  # told (no lock held) when a chunk's results are all taken
+        # Results in a row that came back without shared memory (-1: one did): imap's window
+        # widens once they show that piling them up costs no shared memory.
+        self.light_results = 0
         self._ordered = ordered
         self._ready: dict[int, tuple[bool, object]] = {}
         self._queue: collections.deque = collections.deque()
@@ -246,6 +253,13 @@ class IMapIterator:
 
     def _has_callbacks(self) -> bool:
         return False
+
+    def note_result(self, shared: bool) -> None:
+        """A chunk's results arrived, in shared memory or not (the manager thread)."""
+        if shared:
+            self.light_results = -1  # for good: this imap's results may be large
+        elif self.light_results >= 0:
+            self.light_results += 1
 
     def unconsumed(self) -> int:
         """Chunks finished whose results were not all taken yet (imap's backpressure)."""
@@ -274,6 +288,14 @@ class IMapIterator:
             self._cond.notify_all()
 
     def next(self, timeout: float | None = None) -> Any:
+        before = self._yielded_chunks
+        try:
+            return self._next(timeout)
+        finally:
+            if self._yielded_chunks != before and self._on_consumed is not None:
+                self._on_consumed()  # the feeder may have room again (imap's backpressure)
+
+    def _next(self, timeout: float | None) -> Any:
         with self._cond:
             while True:
                 if self._queue:

@@ -63,6 +63,7 @@ class Scheduler:
 
     def __init__(self):
         self.pending: collections.deque = collections.deque()
+        self.turn = 0  # where the next search for a busy worker to queue behind starts
 
     def add(self, chunk: Chunk) -> None:
         self.pending.append(chunk)
@@ -87,35 +88,36 @@ class Scheduler:
             out.append((w, chunk))
         return out
 
-    @staticmethod
-    def _pick(workers: list, chunk: Chunk, now: float):
-        best = None
+    def _pick(self, workers: list, chunk: Chunk, now: float):
         for w in workers:
             if not w.outstanding and w.can_take() and w.alive():
                 return w
-        # Behind a running chunk only on a worker of quick chunks whose running one is young.
-        ready = [
-            w
-            for w in workers
-            if w.outstanding
-            and w.pace is not None
-            and w.pace < QUICK_S
-            and now - w.outstanding[0].began < QUICK_S
-            and w.can_take()
-        ]
-        if chunk.small:
-            for w in ready:
-                n = len(w.outstanding)
-                if w.pace >= TINY_TASK_S or (n >= PREFETCH_TINY and n >= prefetch_limit(w.pace)):
-                    continue
-                if best is None or n < len(best.outstanding):
-                    best = w
-            if best is not None:
-                return best
-        for w in ready:
-            if len(w.outstanding) == 1:
-                return w
-        return None
+        # Behind a running chunk only on a worker of quick chunks whose running one is young:
+        # a small chunk goes to the one with the fewest in flight under its prefetch limit (any
+        # with one in flight is the least possible: the search stops there), else any chunk to
+        # one with exactly one in flight. One pass, started at a turning point so that ties
+        # spread over the workers; no call per worker unless it is a candidate.
+        small = chunk.small
+        best = one = None
+        best_n = 0
+        count = len(workers)
+        start = self.turn % count if count else 0
+        self.turn += 1
+        for k in range(count):
+            w = workers[(start + k) % count]
+            out = w.outstanding
+            pace = w.pace
+            if not out or pace is None or pace >= QUICK_S or now - out[0].began >= QUICK_S:
+                continue
+            n = len(out)
+            if small and pace < TINY_TASK_S and (n < PREFETCH_TINY or n < prefetch_limit(pace)):
+                if (best is None or n < best_n) and w.can_take():
+                    best, best_n = w, n
+                    if n == 1:
+                        break
+            elif n == 1 and one is None and w.can_take():
+                one = w
+        return best if best is not None else one
 
     @staticmethod
     def finished(w, chunk_id: int) -> Chunk | None:

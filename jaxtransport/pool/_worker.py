@@ -372,9 +372,12 @@ class _Worker:
         unheld: list = []
         start = time.perf_counter()
         try:
-            fn, mode, items = self.wire.decode(
-                data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
-            )
+            if entries:
+                fn, mode, items = self.wire.decode(
+                    data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
+                )
+            else:  # nothing in shared memory: only the pickle (under the placement, as decode)
+                fn, mode, items = self.wire.loads(data, self.placement)
             del data, entries, msg
             if mode == "apply":
                 out = [fn(*a, **k) for a, k in items]
@@ -398,9 +401,10 @@ class _Worker:
         else:
             data, entries, segs = out, [], ()
         del out
-        self.send_fds(segs)
-        rel = self.mapper.take_releases()
-        forgotten = self.arena.take_forgotten()
+        if segs:
+            self.send_fds(segs)
+        rel = self.mapper.take_releases() if (self.mapper.pending or self.mapper.live) else []
+        forgotten = self.arena.take_forgotten() if self.arena.has_forgotten() else None
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
@@ -410,15 +414,17 @@ class _Worker:
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
         do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
         or with the pickling error itself (an Executor's, as concurrent.futures)."""
-        from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
-
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
+            from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
+
             if self.cfg.futures:
                 return False, _pack_error(e, note="while pickling the result"), [], ()
             bad = next((r for r in out if not _picklable(r)), out)
             return False, _pack_error(MaybeEncodingError(e, bad)), [], ()
+        if not prep.found:  # nothing to copy into shared memory
+            return True, prep.data, [], ()
         try:
             enc = self.wire.commit(
                 prep, arena=self.arena, borrower="parent", wait=self.wait_for_release, peer=self.mapper
