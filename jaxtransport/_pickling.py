@@ -133,6 +133,10 @@ def _rebuild_array(meta: tuple, *raw: Any) -> Any:
     return _codec.decode(meta, raw, current_placement())  # type: ignore[arg-type]
 
 
+# The name other modules use (jaxtransport.joblib's cache); pickles record ``_rebuild_array``.
+rebuild_array = _rebuild_array
+
+
 def _reduce_tracer(t: Any) -> tuple:
     from ._tracers import tracer_error
 

@@ -13,5 +13,7 @@ nothing: call :func:`register`).
 """
 
 from ._backend import JaxTransportBackend, register, shutdown
+from ._hashing import hash
+from ._memory import Memory
 
-__all__ = ["JaxTransportBackend", "register", "shutdown"]
+__all__ = ["JaxTransportBackend", "Memory", "hash", "register", "shutdown"]
