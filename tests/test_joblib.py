@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -188,3 +189,27 @@ def test_importing_jaxtransport_never_imports_joblib():
     proc = run_python("import sys, jaxtransport; jaxtransport.Pool; print('joblib' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+_INIT = {}
+
+
+def _set_init(value):
+    _INIT["value"] = value
+
+
+def _get_init(_):
+    return _INIT.get("value")
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("no pickling for this one")
+
+
+def test_initializer_and_unpicklable_arguments():
+    with joblib.parallel_config(backend="jaxtransport", n_jobs=2, initializer=_set_init, initargs=("ready",)):
+        assert joblib.Parallel()(joblib.delayed(_get_init)(i) for i in range(4)) == ["ready"] * 4
+        with pytest.raises(pickle.PicklingError, match="Could not pickle the task") as info:
+            joblib.Parallel()(joblib.delayed(id)(_Unpicklable()) for _ in range(3))
+    assert isinstance(info.value.__cause__, RuntimeError)

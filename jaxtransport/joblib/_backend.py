@@ -22,7 +22,9 @@ creating the Pool.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +36,9 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import cpu_count, register_parallel_backend
 
+from .._errors import PoolTerminatedError, TransportError
 from .._nojax import find_tracer
+from .._pickling import tracer_error_type
 from ..pool import Pool
 
 __all__ = ["JaxTransportBackend", "register", "shutdown"]
@@ -51,6 +55,8 @@ POOL_OPTIONS = (
     "shm_reserve",
     "preload_jax",
     "maxtasksperchild",
+    "initializer",
+    "initargs",
 )
 
 _LOCK = threading.Lock()
@@ -58,7 +64,23 @@ _shared: tuple[Pool, tuple] | None = None  # Note [one warm pool]
 
 
 def _key(n_jobs: int, options: dict) -> tuple:
-    return (n_jobs, tuple(sorted((k, repr(v)) for k, v in options.items())))
+    return (n_jobs, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two option values ask for the same pool: plain values by equality, containers
+    item by item, any other object (an initializer, a Manager proxy) by identity."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (str, bytes, int, float, bool, type(None))):
+        return a == b
+    return False
 
 
 def _get_pool(n_jobs: int, options: dict) -> Pool:
@@ -66,7 +88,7 @@ def _get_pool(n_jobs: int, options: dict) -> Pool:
     global _shared
     key = _key(n_jobs, options)
     with _LOCK:
-        if _shared is not None and _shared[1] == key:
+        if _shared is not None and _same(_shared[1], key):
             return _shared[0]
         old, _shared = (None if _shared is None else _shared[0]), None
     if old is not None:
@@ -177,8 +199,19 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs is None:
             return 1
         if multiprocessing.current_process().daemon:
+            if n_jobs != 1:
+                warnings.warn(
+                    "jaxtransport-backed parallel loops cannot be called in a daemonic process "
+                    "(such as a pool worker, which may not have children), setting n_jobs=1",
+                    stacklevel=3,
+                )
             return 1
         if not (self.in_main_thread() or self.nesting_level == 0):
+            if n_jobs != 1:
+                warnings.warn(
+                    "jaxtransport-backed parallel loops cannot be nested below threads, setting n_jobs=1",
+                    stacklevel=3,
+                )
             return 1
         if n_jobs < 0:
             return max(cpu_count() + 1 + n_jobs, 1)
@@ -228,14 +261,24 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
             self._jobs.add(job)
         try:
             self._pool.apply_async(func, callback=finish, error_callback=lambda e: finish(error=e))
-        except BaseException:
+        except BaseException as e:
             with self._jobs_lock:
                 self._jobs.discard(job)
+            if isinstance(e, Exception) and not isinstance(e, (tracer_error_type(), TransportError)):
+                # As loky: a task that cannot be pickled is a PicklingError naming the cause.
+                raise pickle.PicklingError(f"Could not pickle the task to send it to the workers: {e!r}") from e
             raise
         return job
 
     def retrieve_result_callback(self, out: Any) -> Any:
         """The batch's results, or its exception (with the worker's traceback as its cause)."""
+        if isinstance(out.error, PoolTerminatedError):
+            raise RuntimeError(
+                "The executor underlying Parallel (the jaxtransport backend's pool) was terminated "
+                "before this task's result arrived: a previous Parallel call aborted (an error, a "
+                "timeout, or its return_as='generator' output garbage collected before it was "
+                "exhausted), or jaxtransport.joblib.shutdown(wait=False) was called."
+            ) from out.error
         return out.get()
 
     def abort_everything(self, ensure_ready: bool = True) -> None:
