@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from joblib._parallel_backends import (
     AutoBatchingMixin,
     FallbackToBackend,
@@ -144,6 +145,10 @@ class _Job:
         return self.value
 
 
+# Argument types that are never a Tracer and hold none.
+_PLAIN = frozenset({int, float, complex, bool, str, bytes, type(None), np.ndarray})
+
+
 def _check_batch(batch: Any) -> None:
     """A Tracer in any task of the batch raises here, at dispatch, naming the task's function
     and the argument's key path (``args[0]['params']['w']``)."""
@@ -151,6 +156,8 @@ def _check_batch(batch: Any) -> None:
     if not isinstance(items, list):
         return
     for func, args, kwargs in items:
+        if all(type(a) in _PLAIN for a in args) and all(type(v) in _PLAIN for v in kwargs.values()):
+            continue  # nothing that could hold a Tracer: skip the pytree walk (tiny tasks)
         for obj, root in ((args, "args"), (kwargs, "kwargs")):
             found = find_tracer(obj, root)
             if found is not None:
