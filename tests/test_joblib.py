@@ -213,3 +213,30 @@ def test_initializer_and_unpicklable_arguments():
         with pytest.raises(pickle.PicklingError, match="Could not pickle the task") as info:
             joblib.Parallel()(joblib.delayed(id)(_Unpicklable()) for _ in range(3))
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_warm_workers_end_at_interpreter_exit_without_shutdown(tmp_path):
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, joblib
+            import jaxtransport.joblib as jtj
+
+            if __name__ == "__main__":
+                jtj.register()
+                with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
+                    pids = set(joblib.Parallel()(joblib.delayed(os.getpid)() for _ in range(6)))
+                print("PIDS", " ".join(map(str, sorted(pids))))
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = [int(p) for p in proc.stdout.split("PIDS", 1)[1].split()]
+    assert pids
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "workers outlived the interpreter"

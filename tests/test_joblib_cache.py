@@ -81,6 +81,40 @@ def test_keys_tell_apart_dtype_shape_weak_type_and_key_type():
     assert jtj.hash(np.asarray(x)) != keys[0] and jtj.hash(np.asarray(x)) == joblib.hash(np.asarray(x))
 
 
+def test_memory_hits_across_register(tmp_path):
+    mem = jtj.Memory(tmp_path, verbose=0)
+    calls = []
+
+    @mem.cache
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    f(jnp.arange(3.0))
+    jt.register()
+    try:
+        f(jnp.arange(3.0))
+    finally:
+        jt.unregister()
+    assert calls == [1]
+
+
+def test_async_functions_are_cached(tmp_path):
+    import asyncio
+
+    mem = jtj.Memory(tmp_path, verbose=0)
+    calls = []
+
+    @mem.cache
+    async def f(x):
+        calls.append(1)
+        return {"y": x * 2}
+
+    out = [asyncio.run(f(jnp.arange(3.0))) for _ in range(2)]
+    assert calls == [1] and isinstance(out[1]["y"], jax.Array)
+    np.testing.assert_array_equal(out[1]["y"], np.arange(3.0) * 2)
+
+
 # ------------------------------------------------------------------------------------------
 # values
 
