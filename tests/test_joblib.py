@@ -68,6 +68,11 @@ def test_arrays_both_ways_and_warm_workers():
         seen = joblib.Parallel()(joblib.delayed(_describe)(x) for x in xs[:2])
         pids1 = set(joblib.Parallel()(joblib.delayed(_pid)(i) for i in range(8)))
         pids2 = set(joblib.Parallel()(joblib.delayed(_pid)(i) for i in range(8)))
+        weak, key = jnp.asarray(3.0), jax.random.key(7)  # a weak type, a typed PRNG key: both ways
+        ((w, k),) = joblib.Parallel()(joblib.delayed(lambda a, b: (a, b))(weak, key) for _ in range(1))
+    assert w.weak_type and w.dtype == weak.dtype
+    assert jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(key))
     for i, o in enumerate(out):
         assert isinstance(o["x"], jax.Array) and isinstance(o["n"], np.ndarray)
         np.testing.assert_array_equal(np.asarray(o["x"]), np.asarray(xs[i]) * 2)
@@ -80,16 +85,6 @@ def test_arrays_both_ways_and_warm_workers():
     with joblib.parallel_config(backend="jaxtransport", n_jobs=3):  # another size: a new pool
         pids3 = set(joblib.Parallel()(joblib.delayed(_pid)(i) for i in range(9)))
     assert pids3.isdisjoint(pids1) and len(pids3) <= 3
-
-
-def test_weak_types_and_prng_keys_round_trip():
-    weak = jnp.asarray(3.0)  # weakly typed
-    key = jax.random.key(7)
-    with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
-        (w, k), = joblib.Parallel()(joblib.delayed(lambda a, b: (a, b))(weak, key) for _ in range(1))
-    assert w.weak_type and w.dtype == weak.dtype
-    assert jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
-    np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(key))
 
 
 def test_auto_batching_generators_pre_dispatch_verbose(capfd):
