@@ -235,3 +235,14 @@ def test_warm_workers_end_at_interpreter_exit_without_shutdown(tmp_path):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), "workers outlived the interpreter"
+
+
+def _failing_init():
+    raise RuntimeError("initializer failed on purpose")
+
+
+def test_a_broken_pool_is_not_reused():
+    for _ in range(2):  # the second call starts a new pool, which fails the same way
+        with pytest.raises(jaxtransport.PoolStateError, match="initializer raised RuntimeError"):
+            with joblib.parallel_config(backend="jaxtransport", n_jobs=2, initializer=_failing_init):
+                joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(4))

@@ -37,7 +37,7 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import cpu_count, register_parallel_backend
 
-from .._errors import PoolTerminatedError, TransportError
+from .._errors import PoolStateError, PoolTerminatedError, TransportError
 from .._nojax import find_tracer
 from .._pickling import tracer_error_type
 from ..pool import Pool
@@ -117,6 +117,16 @@ def _drop_pool(pool: Pool, terminate: bool) -> None:
     pool.join()
 
 
+def _forget(pool: Pool) -> None:
+    """A broken pool (its initializer failed) is never handed out again; the thread that
+    noticed may be the Pool's callback thread, so it is terminated later, by
+    ``abort_everything`` on the caller's thread (or, unreferenced, by the Pool's finalizer)."""
+    global _shared
+    with _LOCK:
+        if _shared is not None and _shared[0] is pool:
+            _shared = None
+
+
 def shutdown(wait: bool = True) -> None:
     """End the backend's warm worker processes (Note [one warm pool]); the next
     ``Parallel(backend="jaxtransport")`` call starts new ones. ``wait``: let running tasks finish
@@ -194,6 +204,7 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
             )
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **options)
         self._pool: Pool | None = None
+        self._broken = False  # the pool reported PoolStateError: terminate it at the abort
         self._jobs_lock = threading.Lock()
         self._jobs: set[_Job] = set()
 
@@ -256,9 +267,13 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._pool is None:
             raise RuntimeError("the jaxtransport backend is not configured (joblib calls configure first)")
         job = _Job()
+        pool = self._pool
 
         def finish(value: Any = None, error: BaseException | None = None) -> None:
             job.value, job.error, job.done = value, error, True
+            if isinstance(error, PoolStateError):
+                self._broken = True
+                _forget(pool)
             with self._jobs_lock:
                 self._jobs.discard(job)
             if callback is not None:
@@ -267,10 +282,13 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         with self._jobs_lock:
             self._jobs.add(job)
         try:
-            self._pool.apply_async(func, callback=finish, error_callback=lambda e: finish(error=e))
+            pool.apply_async(func, callback=finish, error_callback=lambda e: finish(error=e))
         except BaseException as e:
             with self._jobs_lock:
                 self._jobs.discard(job)
+            if isinstance(e, PoolStateError):
+                self._broken = True
+                _forget(pool)
             if isinstance(e, Exception) and not isinstance(e, (tracer_error_type(), TransportError)):
                 # As loky: a task that cannot be pickled is a PicklingError naming the cause.
                 raise pickle.PicklingError(f"Could not pickle the task to send it to the workers: {e!r}") from e
@@ -295,7 +313,8 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         with self._jobs_lock:
             unfinished, self._jobs = bool(self._jobs), set()
         pool, self._pool = self._pool, None
-        if pool is not None and unfinished:
+        broken, self._broken = self._broken, False
+        if pool is not None and (unfinished or broken):
             _drop_pool(pool, terminate=True)
         elif pool is not None and ensure_ready:
             self._pool = pool
