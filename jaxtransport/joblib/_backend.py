@@ -187,8 +187,10 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
 
     Options (``parallel_config(backend="jaxtransport", placement="host", ...)``): the Pool's
     ``start_method``, ``shm_threshold``, ``placement``, ``worker_env``, ``shm_capacity``,
-    ``devices_per_worker``, ``shm_reserve``, ``preload_jax``, ``maxtasksperchild``. joblib's
-    ``inner_max_num_threads`` sets the BLAS/OpenMP thread variables of the workers, as loky's.
+    ``devices_per_worker``, ``shm_reserve``, ``preload_jax``, ``maxtasksperchild``,
+    ``initializer`` and ``initargs`` (workers are reused while these are the same objects).
+    joblib's ``inner_max_num_threads`` sets the BLAS/OpenMP thread variables of the workers, as
+    loky's.
     """
 
     supports_retrieve_callback = True
@@ -204,6 +206,7 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
             )
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **options)
         self._pool: Pool | None = None
+        self._pool_args: tuple[int, dict] | None = None  # (n_jobs, options) of the last configure
         self._broken = False  # the pool reported PoolStateError: terminate it at the abort
         self._jobs_lock = threading.Lock()
         self._jobs: set[_Job] = set()
@@ -255,6 +258,7 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         env = dict(self._prepare_worker_env(n_jobs=n_jobs))
         env.update(merged.pop("worker_env", None) or {})
         merged["worker_env"] = env
+        self._pool_args = (n_jobs, merged)
         self._pool = _get_pool(n_jobs, merged)
         self.parallel = parallel
         return n_jobs
@@ -319,8 +323,8 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         elif pool is not None and ensure_ready:
             self._pool = pool
             return
-        if ensure_ready and self.parallel is not None:
-            self.configure(n_jobs=self.parallel.n_jobs, parallel=self.parallel)
+        if ensure_ready and self._pool_args is not None:
+            self._pool = _get_pool(*self._pool_args)  # the same workers' options as the call had
 
     def terminate(self) -> None:
         """End of a ``Parallel`` call: the warm pool stays (Note [one warm pool])."""
