@@ -265,3 +265,35 @@ def test_diskcache_round_trips_values_and_keys(tmp_path, registered):
 
         with pytest.raises(jt.TracerTransportError):
             traced(jnp.ones(3))
+
+
+@jax.tree_util.register_pytree_node_class
+class Strict:
+    """A pytree node whose constructor (called by unflatten) validates its leaf."""
+
+    def __init__(self, w):
+        if not isinstance(w, jax.Array):
+            raise TypeError("Strict wants a jax.Array")
+        self.w = w
+
+    def tree_flatten(self):
+        return (self.w,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_a_pytree_that_validates_its_leaves_is_still_cached(tmp_path):
+    mem = jtj.Memory(tmp_path, verbose=0)
+    calls = []
+
+    @mem.cache
+    def f(n):
+        calls.append(n)
+        return {"s": Strict(jnp.arange(3.0) * n), "x": jnp.arange(2)}
+
+    f(2)
+    out = f(2)
+    assert calls == [2] and isinstance(out["s"], Strict)
+    np.testing.assert_array_equal(out["s"].w, np.arange(3.0) * 2)

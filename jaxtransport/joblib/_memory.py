@@ -65,7 +65,12 @@ def _encode_tree(output: Any) -> Any:
     from .. import _compat
 
     kinds = tuple(_compat.concrete_array_types())
-    return jax.tree_util.tree_map(lambda leaf: _StoredArray(leaf) if type(leaf) in kinds else leaf, output)
+    try:
+        return jax.tree_util.tree_map(lambda leaf: _StoredArray(leaf) if type(leaf) in kinds else leaf, output)
+    except Exception:  # noqa: BLE001 - a pytree node whose unflatten validates its leaves
+        # Stored as joblib stores anything: its arrays through the pickler's reducer (exact
+        # after jaxtransport.register()). Loading never hands a _StoredArray to user code.
+        return output
 
 
 class _ArrayStore(FileSystemStoreBackend):
