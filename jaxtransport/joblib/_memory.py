@@ -35,7 +35,7 @@ from joblib.func_inspect import filter_args
 from joblib.memory import AsyncMemorizedFunc, MemorizedFunc
 
 from .._nojax import check_placement, find_tracer, jax_loaded
-from ._hashing import hash as array_hash
+from ._hashing import ArrayHasher
 
 __all__ = ["Memory"]
 
@@ -110,7 +110,7 @@ def _args_id(self: Any, *args: Any, **kwargs: Any) -> str:
                     "transformation, or cache the transformed function's caller instead"
                 ),
             )
-    return array_hash(filtered, coerce_mmap=self.mmap_mode is not None)
+    return ArrayHasher(hash_name="md5", coerce_mmap=self.mmap_mode is not None).hash(filtered)  # searched above
 
 
 class _JaxMemorizedFunc(MemorizedFunc):
