@@ -248,3 +248,27 @@ def test_a_broken_pool_is_not_reused():
         with pytest.raises(jaxtransport.PoolStateError, match="initializer raised RuntimeError"):
             with joblib.parallel_config(backend="jaxtransport", n_jobs=2, initializer=_failing_init):
                 joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(4))
+
+
+def _nap(x):
+    time.sleep(0.05)
+    return 1
+
+
+def test_errors_of_batches_dispatched_late_fail_the_call_without_hanging():
+    # pre_dispatch=2: the last batch is dispatched from the pool's callback thread, after an
+    # earlier batch completed; its failure must reach the caller, not hang joblib.
+    @jax.jit
+    def traced(t):
+        joblib.Parallel(n_jobs=2, backend="jaxtransport", pre_dispatch=2, batch_size=1)(
+            joblib.delayed(_nap)(v) for v in [1, 2, 3, 4, {"late": t}]
+        )
+        return t
+
+    with pytest.raises(jaxtransport.TracerTransportError) as info:
+        traced(jnp.ones(2))
+    assert info.value.path == "args[0]['late']"
+    with pytest.raises(pickle.PicklingError, match="Could not pickle the task"):
+        joblib.Parallel(n_jobs=2, backend="jaxtransport", pre_dispatch=2, batch_size=1)(
+            joblib.delayed(_nap)(v) for v in [1, 2, 3, 4, _Unpicklable()]
+        )

@@ -265,9 +265,13 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
 
     def submit(self, func: Callable, callback: Callable | None = None) -> Any:
         """Send one batch; ``callback(job)`` runs on the Pool's callback thread when it ends.
-        Raises here for a Tracer in the batch (TracerTransportError naming its key path) and for
-        an argument that does not pickle."""
-        _check_batch(func)
+
+        A batch that cannot be sent (a Tracer in it: TracerTransportError naming its key path;
+        an argument that does not pickle: PicklingError) fails as its job, at once: joblib
+        raises that error from the ``Parallel`` call. (Raising here instead would hang joblib
+        when the dispatch runs on the callback thread, after an earlier batch completed: joblib
+        has registered the batch already and would wait for it forever.)
+        """
         if self._pool is None:
             raise RuntimeError("the jaxtransport backend is not configured (joblib calls configure first)")
         job = _Job()
@@ -286,16 +290,25 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         with self._jobs_lock:
             self._jobs.add(job)
         try:
+            _check_batch(func)
             pool.apply_async(func, callback=finish, error_callback=lambda e: finish(error=e))
-        except BaseException as e:
-            with self._jobs_lock:
-                self._jobs.discard(job)
+        except Exception as e:
             if isinstance(e, PoolStateError):
                 self._broken = True
                 _forget(pool)
-            if isinstance(e, Exception) and not isinstance(e, (tracer_error_type(), TransportError)):
+            error: Exception = e
+            if not isinstance(e, (tracer_error_type(), TransportError)):
                 # As loky: a task that cannot be pickled is a PicklingError naming the cause.
-                raise pickle.PicklingError(f"Could not pickle the task to send it to the workers: {e!r}") from e
+                error = pickle.PicklingError(f"Could not pickle the task to send it to the workers: {e!r}")
+                error.__cause__ = e
+            if callback is None:
+                with self._jobs_lock:
+                    self._jobs.discard(job)
+                raise error from error.__cause__
+            finish(error=error)
+        except BaseException:  # KeyboardInterrupt while pickling: joblib aborts the call
+            with self._jobs_lock:
+                self._jobs.discard(job)
             raise
         return job
 
