@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
-# Ray, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
+# Ray, joblib and diskcache, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
 # and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
 # `make venv` is what `make test` installs (development, the docs tools included: the suite
 # builds the documentation site). `make lint` adds ruff and mypy; `make docs` builds the site
@@ -40,7 +40,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem,atari,docs]'
+	$(PIP) -e '.[ray,test,ecosystem,atari,docs,joblib]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
@@ -50,13 +50,13 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 # PyPI's torch wheel pulls in CUDA (gigabytes); the CPU wheel comes from PyTorch's index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(BENCH_STAMP): pyproject.toml | $(PY)
-	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench]'
+	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench,joblib]'
 	touch $(BENCH_STAMP)
 
 # mypy checks against what `make test` installs (Ray, the extras): what it sees, and so which
 # `type: ignore` comments are needed, must not depend on which target ran first.
 $(LINT_STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem,atari,docs,lint]'
+	$(PIP) -e '.[ray,test,ecosystem,atari,docs,joblib,lint]'
 	touch $(LINT_STAMP)
 
 $(DOCS_STAMP): pyproject.toml | $(PY)

@@ -58,6 +58,7 @@ BENCHMARKS = (
     ("rollouts", "benchmarks.rollouts"),
     ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("queue", "benchmarks.queue"),
+    ("joblib", "benchmarks.joblib"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")

@@ -57,7 +57,7 @@ nitpick_ignore_regex = [
     (
         r"py:.*",
         r"(jax|jaxlib|numpy|np|ray|cloudpickle|concurrent|collections|typing|types|multiprocessing|"
-        r"socket|threading|queue|pickle|io|os|asyncio|weakref|mmap|ctypes|ml_dtypes)(\..*)?",
+        r"socket|threading|queue|pickle|io|os|asyncio|weakref|mmap|ctypes|ml_dtypes|joblib|diskcache)(\..*)?",
     ),
     (
         r"py:.*",

@@ -58,7 +58,17 @@ __all__ = [
     "nbytes",
 ]
 
+# Note [format versions]
+# The array format's version, the first field of every ArrayMeta written. What a pickle of
+# ``jt.dumps`` or of a ``register()``'d pickler stores (the rebuild function's import path, the
+# meta tuple, the buffers) is data at rest: caches and checkpoints keep it across upgrades. So
+# this reader accepts every version from 1 to FORMAT_VERSION (each release that bumps it keeps a
+# reader for the older ones, and adds golden files under tests/golden/ that stay checked), and
+# refuses a newer one with what to do. Shared-memory handles (the Pool's and
+# jaxtransport.multiprocessing's) are not data at rest: they live only while their pool or queue
+# does and are never stored.
 FORMAT_VERSION = 1
+OLDEST_FORMAT_VERSION = 1
 
 
 class PlacementFallbackWarning(UserWarning):
@@ -537,6 +547,32 @@ def _wrap_key(data: Any, impl: str) -> Any:
         ) from None
 
 
+def _readable(meta: Any) -> bool:
+    """Whether ``meta`` is a meta tuple of a format this release reads (Note [format versions])."""
+    return (
+        isinstance(meta, tuple)
+        and len(meta) == len(ArrayMeta._fields)
+        and type(meta[0]) is int
+        and OLDEST_FORMAT_VERSION <= meta[0] <= FORMAT_VERSION
+    )
+
+
+def _check_format(meta: Any) -> None:
+    if _readable(meta):
+        return
+    version = meta[0] if isinstance(meta, tuple) and meta else meta
+    if isinstance(meta, tuple) and type(version) is int and version > FORMAT_VERSION:
+        raise UnsupportedArrayError(
+            f"This array was written in jaxtransport array format {version}, by a newer "
+            f"jaxtransport release; this one reads formats {OLDEST_FORMAT_VERSION} to "
+            f"{FORMAT_VERSION}. Upgrade jaxtransport where it is read."
+        )
+    raise UnsupportedArrayError(
+        f"Unsupported jaxtransport array format {version!r}: not an array meta tuple this "
+        f"release reads (formats {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})."
+    )
+
+
 def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -> Any:
     """Rebuild the array ``encode`` described. See the module docstring for placements.
 
@@ -545,16 +581,7 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     assembled with one copy; "preserve" places each shard on its device (no copy on CPU when
     aligned).
     """
-    if (
-        not isinstance(meta, tuple)
-        or len(meta) != len(ArrayMeta._fields)
-        or type(meta[0]) is not int
-        or meta[0] != FORMAT_VERSION
-    ):
-        raise UnsupportedArrayError(
-            f"Unsupported jaxtransport array format {meta[0] if isinstance(meta, tuple) and meta else meta!r}: "
-            "sender and receiver run different jaxtransport versions."
-        )
+    _check_format(meta)
     meta = ArrayMeta(*meta)
     dtype = _validate(meta, buffers)
     _check_x64(dtype, placement)
@@ -588,12 +615,7 @@ def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") 
     ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG keys) decodes in
     full at each call. Raises what ``decode`` raises for bad metadata: here for the arrays
     validated once, else at the call."""
-    if (
-        isinstance(meta, tuple)
-        and len(meta) == len(ArrayMeta._fields)
-        and type(meta[0]) is int
-        and meta[0] == FORMAT_VERSION
-    ):
+    if _readable(meta):
         meta = ArrayMeta(*meta)
         if placement in ("device", "host") and meta.prng_impl is None:
             dtype = _validate(meta, buffers)

@@ -133,10 +133,9 @@ def _rebuild_array(meta: tuple, *raw: Any) -> Any:
     return _codec.decode(meta, raw, current_placement())  # type: ignore[arg-type]
 
 
-def rebuild_array_function() -> Any:
-    """The reconstructor that :func:`reduce_array` writes (its import path is the wire format),
-    for a writer that has the metadata and buffers but no jax.Array (``_wire.standalone``)."""
-    return _rebuild_array
+# The reconstructor that reduce_array writes (its import path is the wire format), for a writer
+# that has the metadata and buffers but no jax.Array (_wire.standalone, jaxtransport.joblib's cache).
+rebuild_array = _rebuild_array
 
 
 def _reduce_tracer(t: Any) -> tuple:

@@ -696,7 +696,7 @@ class _JaxBytes:
         self.meta, self.buffers = meta, buffers
 
     def __reduce__(self):
-        return _pickling.rebuild_array_function(), (self.meta, *[_pickling.raw(b) for b in self.buffers])
+        return _pickling.rebuild_array, (self.meta, *[_pickling.raw(b) for b in self.buffers])
 
 
 def _rebuild_standalone(data: bytes, objects: list) -> Any:

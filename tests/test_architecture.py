@@ -20,7 +20,8 @@ PKG = pathlib.Path(jaxtransport.__file__).parent
 
 # The packages whose modules may be in no circle: all of them (the top level: the codec, shared
 # memory, the wire encoder; the Pool; the multiprocessing drop-in; the demo).
-CHECKED = ("jaxtransport", "jaxtransport.pool", "jaxtransport.multiprocessing", "jaxtransport.rollouts")
+CHECKED = ("jaxtransport", "jaxtransport.pool", "jaxtransport.multiprocessing", "jaxtransport.rollouts",
+           "jaxtransport.joblib")
 
 
 def _module_name(path: pathlib.Path) -> str:
