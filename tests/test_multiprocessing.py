@@ -18,8 +18,9 @@ import pytest
 
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
+from jaxtransport import _os
 
-from .conftest import memfd_mapped, run_python, wait_until
+from .conftest import is_segment, memfd_mapped, run_python, wait_until
 
 METHODS = [m for m in ("spawn", "forkserver") if m in jmp.get_all_start_methods()]
 THRESH = 1 << 12  # small arrays still take the shared-memory path here
@@ -61,7 +62,7 @@ def _is_service_fd(fd: int) -> bool:
     # one or two fds for the process's life; test_a_hundred_thousand_arrays_never_exhaust_fds
     # checks that this stays bounded.
     try:
-        if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:jaxtransport"):
+        if is_segment(os.readlink(f"/proc/self/fd/{fd}")):
             return True
     except OSError:
         return True
@@ -510,7 +511,7 @@ def test_memory_is_recycled_and_the_producer_does_not_grow(no_fd_leak):
             total = 0
             with open("/proc/self/maps") as f:
                 for line in f:
-                    if "memfd:jaxtransport" in line:
+                    if is_segment(line):
                         lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
                         total += hi - lo
             return total
@@ -636,6 +637,10 @@ def test_garbage_from_a_peer_is_an_error_for_that_message_only(no_fd_leak):
         before = open_fds()
         with pytest.raises(jt.TransportError, match="Corrupt message"):
             a.recv()
+        with socket.socket(fileno=os.dup(a.fileno())) as sock:
+            stream = _os.is_stream(sock)
+        if stream:
+            return  # a framed stream (no SEQPACKET: macOS) cannot find the messages after garbage
         with pytest.raises(jt.TransportError, match="Corrupt message"):
             a.recv()  # it carried an fd: closed, not leaked
         assert open_fds() - before == set()
@@ -672,7 +677,7 @@ def test_receivers_unmap_segments_the_sender_dropped(no_fd_leak):
     keep that memory alive."""
     def mapped_segments() -> int:
         with open("/proc/self/maps") as f:
-            return len({line.split()[4] for line in f if "memfd:jaxtransport" in line})
+            return len({line.split()[4] for line in f if is_segment(line)})
 
     q = jmp.Queue(shm_threshold=THRESH)
     jmp.set_shm_capacity(24 << 20)

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<Q")
+MAX_MESSAGE = 1 << 40  # a longer length in a stream's header is garbage, not a message
 
 
 def fd_passing() -> bool:
@@ -147,7 +148,9 @@ def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> b
 def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
     """One message: ``(bytes, fds, truncated)``; ``(b"", [], False)`` at end of stream.
     ``flags`` may hold MSG_DONTWAIT (BlockingIOError when none has begun). A packet longer
-    than ``bufsize`` is truncated (and says so); a stream message is read whole."""
+    than ``bufsize`` is truncated (and says so); a stream message is read whole. ValueError
+    (its fds closed) for a stream header no message has: something else wrote to the stream,
+    and unlike packets, the messages after it cannot be found again."""
     cmsg = socket.CMSG_SPACE(maxfds * 4 + 64) if fd_passing() else 0
     if not is_stream(sock):
         msg, anc, mflags, _ = sock.recvmsg(bufsize, cmsg, flags)
@@ -160,6 +163,8 @@ def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0)
         if len(head) < _LEN.size:
             head = bytes(_recv_exact(sock, _LEN.size - len(head), bytearray(head) + bytearray(_LEN.size - len(head))))
         (n,) = _LEN.unpack(head)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"a message header announces {n} bytes: not a message (the stream is garbled)")
         body = _recv_exact(sock, n) if n else bytearray()
     except BaseException:
         for fd in fds:

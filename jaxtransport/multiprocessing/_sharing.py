@@ -521,7 +521,10 @@ def recv_packet(sock: socket.socket, nowait: bool = False) -> tuple[bytes, list[
     """One packet and the fds that came with it. Raises EOFError when every writer is gone,
     BlockingIOError (``nowait``) when there is none, TransportError (fds closed) for a
     truncated packet."""
-    msg, got, truncated = _os.recv_message(sock, RECV_BUF, MAX_FDS, socket.MSG_DONTWAIT if nowait else 0)
+    try:
+        msg, got, truncated = _os.recv_message(sock, RECV_BUF, MAX_FDS, socket.MSG_DONTWAIT if nowait else 0)
+    except ValueError as e:  # a garbled stream (Note [message framing] in _os)
+        raise _garbage(str(e)) from None
     if truncated:
         _close_all(got)
         raise TransportError(
