@@ -251,3 +251,13 @@ def shard_map(f, **kwargs):
     if fn is None:
         from jax.experimental.shard_map import shard_map as fn
     return fn(f, **kwargs)
+
+
+def pytest_runtest_setup(item):
+    """Tests marked ``shm`` check the shared-memory mechanism itself: where arrays travel in-band
+    (Note [platforms] in jaxtransport/_os) there is none, and they are skipped."""
+    if item.get_closest_marker("shm") is not None:
+        from jaxtransport import _os
+
+        if _os.in_band():
+            pytest.skip("no shared memory here: arrays travel in-band (Note [platforms])")

@@ -218,8 +218,9 @@ def test_queue_round_trip_is_faithful_and_aliases_shared_memory(method, no_fd_le
         check_same(sent, got)
         # Large arrays came back through the child's shared memory and alias it, jax arrays
         # read-only, numpy writeable; small ones inline.
-        assert memfd_mapped(got["f32"].unsafe_buffer_pointer())
-        assert memfd_mapped(got["np"].__array_interface__["data"][0])
+        shared = not _os.in_band()  # in-band (no fd passing) every array is inside the pickle
+        assert memfd_mapped(got["f32"].unsafe_buffer_pointer()) is shared
+        assert memfd_mapped(got["np"].__array_interface__["data"][0]) is shared
         assert not memfd_mapped(got["weak_small"].unsafe_buffer_pointer())
         got["np"][0, 0] = -1.0  # writeable, private to this message
         assert sent["np"][0, 0] == 0.0
@@ -273,7 +274,7 @@ def test_recv_bytes_of_a_send_message_as_the_stock_module(method, no_fd_leak):
             assert pickle.loads(a.recv_bytes()) == 7
             a.send_bytes(b"raw")
             assert a.recv_bytes() == b"raw"
-            if ctx.__module__.startswith("jaxtransport"):
+            if ctx.__module__.startswith("jaxtransport") and not _os.in_band():
                 # Arrays in shared memory have no bytes: refused with why and what to use; the
                 # slot goes back to this sender (no leak), and the pipe keeps working.
                 prod = _sharing.producer()
@@ -529,6 +530,7 @@ def test_memory_is_recycled_and_the_producer_does_not_grow(no_fd_leak):
         q_in.close(), q_out.close()
 
 
+@pytest.mark.shm
 def test_slow_consumer_makes_put_wait_then_raise(no_fd_leak):
     q = jmp.Queue(shm_threshold=THRESH)
     jmp.set_shm_capacity(8 << 20)
@@ -552,6 +554,7 @@ def test_slow_consumer_makes_put_wait_then_raise(no_fd_leak):
         q.close()
 
 
+@pytest.mark.shm
 @pytest.mark.parametrize("method", METHODS)
 def test_killed_consumer_gives_its_memory_back(method, no_fd_leak):
     ctx = jmp.get_context(method)
@@ -581,6 +584,7 @@ def test_killed_consumer_gives_its_memory_back(method, no_fd_leak):
         q_in.close(), q_out.close()
 
 
+@pytest.mark.shm
 @pytest.mark.parametrize("method", METHODS)
 def test_stopped_consumer_blocks_nobody(method, no_fd_leak):
     ctx = jmp.get_context(method)
@@ -607,6 +611,7 @@ def test_stopped_consumer_blocks_nobody(method, no_fd_leak):
         q_in.close(), q_out.close()
 
 
+@pytest.mark.shm
 @pytest.mark.parametrize("method", METHODS)
 def test_items_of_a_killed_producer_can_still_be_taken(method, no_fd_leak):
     ctx = jmp.get_context(method)
