@@ -1,19 +1,22 @@
-"""Shared memory for jaxtransport.Pool and jaxtransport.multiprocessing: recycled segments, handles, lifetime.
+"""Shared memory for jaxtransport.Pool and jaxtransport.multiprocessing: recycled segments,
+handles, lifetime.
 
 Note [shared memory design]
 Every process that *sends* arrays owns an :class:`Arena` (the parent for task arguments and
 shared trees, each worker for its results). An arena is a set of segments (``memfd_create``
 files on Linux, unlinked POSIX shared memory elsewhere: Note [segment kinds] in ``_os``) cut
 into slots of a few size classes (quarter-octave steps, so at most 25% slack). A new segment's
-pages are allocated up front (Note [how a segment gets its pages] in ``_os``): a full system raises
-:class:`ShmCapacityError` there, never a SIGBUS later. Freed slots go back to a per-class free list
-and are reused, so steady-state transfers of similar sizes touch no fresh pages.
+pages are allocated up front (Note [how a segment gets its pages] in ``_os``): on Linux a full
+system raises :class:`ShmCapacityError` there, never a SIGBUS later. Freed slots go back to a
+per-class free list and are reused, so steady-state transfers of similar sizes touch no fresh
+pages.
 
 A memfd has no name in ``/dev/shm``: nothing can leak when any process dies, and Docker's 64 MiB
 ``/dev/shm`` does not bound it. A segment's fd travels once per receiver over a Unix socket
-(SCM_RIGHTS, Note [message framing] in ``_os``; :func:`send_segment` / :meth:`Mapper._drain`); the receiver maps it once
-(pages fault in as it reads them) and keeps the mapping. Only a small handle ``(segment id, offset, nbytes,
-generation)`` travels with each message; :meth:`Mapper.holder` validates it.
+(SCM_RIGHTS, Note [message framing] in ``_os``; :func:`send_segment` / :meth:`Mapper._drain`);
+the receiver maps it once (pages fault in as it reads them) and keeps the mapping. Only a small
+handle ``(segment id, offset, nbytes, generation)`` travels with each message;
+:meth:`Mapper.holder` validates it.
 
 Note [slot lifetime]
 A slot's references are counted per *borrower* (a queued task, a worker, a shared tree, the
