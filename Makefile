@@ -33,7 +33,16 @@ RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py test
 	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py \
 	tests/test_cpython_compat.py
 
-.PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs
+# `make test-platforms`: the Pool, Executor and jaxtransport.multiprocessing suites (not slow) with
+# Linux's facilities hidden in every process, parent and spawned workers (tests/platforms/
+# sitecustomize.py, on PYTHONPATH): as on macOS (the portable path: POSIX shared memory, framed
+# streams; spawn and forkserver), then as on Windows (in-band: no fd passing; spawn only). The
+# paths are found by feature detection, not by JAXTRANSPORT_PLATFORM. Afterwards /dev/shm must hold
+# no jaxtransport entry.
+PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiprocessing.py
+SIMULATE := PYTHONPATH=$(CURDIR)/tests/platforms$${PYTHONPATH:+:$$PYTHONPATH}
+
+.PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs test-platforms
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +102,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
+
+test-platforms: $(STAMP)
+	JAXTRANSPORT_SIMULATE=macos $(SIMULATE) $(PY) -m pytest -q -ra -m "not slow" -p no:cacheprovider $(PLATFORM_TESTS)
+	JAXTRANSPORT_SIMULATE=windows $(SIMULATE) $(PY) -m pytest -q -ra -m "not slow" -p no:cacheprovider \
+		-k "not forkserver" -W ignore::RuntimeWarning $(PLATFORM_TESTS)
+	@if ls /dev/shm | grep -q '^jaxtransport-'; then echo "test-platforms left /dev/shm/jaxtransport-* behind"; exit 1; fi
 
 test-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)

@@ -14,6 +14,8 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 
+from . import _os
+
 __all__ = [
     "NO_PREALLOCATION",
     "apply_environ",
@@ -107,11 +109,7 @@ def gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        n = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return []
-    return [str(i) for i in range(n)]
+    return [str(i) for i in range(_os.nvidia_gpu_count())]
 
 
 def _parent_x64() -> bool:

@@ -82,14 +82,24 @@ def shm_leaks(before: set[str], after: set[str], me: int | None = None) -> set[s
     return leaks
 
 
+# How a jaxtransport segment shows in /proc/self/maps and /proc/self/fd: a memfd (Linux), or an
+# unlinked POSIX shared-memory object (the portable path, Note [segment kinds] in _os).
+SEGMENT_MARKS = ("memfd:jaxtransport", "/dev/shm/jaxtransport-")
+
+
+def is_segment(text: str) -> bool:
+    """Whether a line of /proc/self/maps (or an fd's link) names a jaxtransport segment."""
+    return any(m in text for m in SEGMENT_MARKS)
+
+
 def memfd_mapped(address: int) -> bool:
-    """Whether ``address`` lies in a jaxtransport memfd mapping of this process."""
+    """Whether ``address`` lies in a jaxtransport segment mapping of this process."""
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split()
             lo, hi = (int(v, 16) for v in parts[0].split("-"))
             if lo <= address < hi:
-                return len(parts) >= 6 and "memfd:jaxtransport" in parts[5]
+                return len(parts) >= 6 and is_segment(parts[5])
     return False
 
 
@@ -292,3 +302,13 @@ def shard_map(f, **kwargs):
     if fn is None:
         from jax.experimental.shard_map import shard_map as fn
     return fn(f, **kwargs)
+
+
+def pytest_runtest_setup(item):
+    """Tests marked ``shm`` check the shared-memory mechanism itself: where arrays travel in-band
+    (Note [platforms] in jaxtransport/_os) there is none, and they are skipped."""
+    if item.get_closest_marker("shm") is not None:
+        from jaxtransport import _os
+
+        if _os.in_band():
+            pytest.skip("no shared memory here: arrays travel in-band (Note [platforms])")

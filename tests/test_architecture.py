@@ -18,10 +18,21 @@ import jaxtransport
 
 PKG = pathlib.Path(jaxtransport.__file__).parent
 
-# The packages whose modules may be in no circle: all of them (the top level: the codec, shared
-# memory, the wire encoder; the Pool; the multiprocessing drop-in; the demo).
-CHECKED = ("jaxtransport", "jaxtransport.pool", "jaxtransport.multiprocessing", "jaxtransport.rollouts",
-           "jaxtransport.joblib")
+# The packages whose modules may be in no circle: all of them (the OS facilities; shared memory;
+# the top level: the codec, the wire encoder; the Pool; the multiprocessing drop-in; the demo).
+CHECKED = (
+    "jaxtransport",
+    "jaxtransport._os",
+    "jaxtransport._shm",
+    "jaxtransport.pool",
+    "jaxtransport.multiprocessing",
+    "jaxtransport.rollouts",
+    "jaxtransport.joblib",
+)
+# The layers below the top level, which the top-level modules may import (through each
+# package's ``__init__``, its interface): the OS facilities, one interface per facility
+# (Note [platforms]), and the shared memory built on them.
+LOWER = ("jaxtransport._os", "jaxtransport._shm")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -127,18 +138,65 @@ def test_no_import_circles():
 
 
 def test_the_shared_layer_imports_nothing_above_it():
-    """The top-level modules (codec, shared memory, the wire encoder the Pool and
-    jaxtransport.multiprocessing share) import no subpackage; the package's ``__init__`` (whose
-    names load lazily) and the Ray face are the top, not the shared layer."""
+    """The top-level modules (codec, the wire encoder the Pool and jaxtransport.multiprocessing
+    share) import no subpackage but the lower layers (the OS facilities and shared memory); the
+    package's ``__init__`` (whose names load lazily) and the Ray face are the top, not the
+    shared layer."""
     top = ("jaxtransport", "jaxtransport.ray")
     upward = {
         (m, t)
         for m in MODULES
         if _package_of(m) == "jaxtransport" and m not in top
         for t in GRAPH[m]
-        if _package_of(t) != "jaxtransport"
+        if _package_of(t) not in ("jaxtransport",) + LOWER
     }
     assert not upward, sorted(upward)
+
+
+def test_the_lower_layers_import_nothing_above_them():
+    """``_os`` (the OS facilities) imports only the error types and itself; ``_shm`` (shared
+    memory) only ``_os``, the leaf modules below the codec, and itself. So a platform's path
+    is chosen below everything that uses it."""
+    allowed = {
+        "jaxtransport._os": {"jaxtransport._errors"},
+        "jaxtransport._shm": {
+            "jaxtransport._errors",
+            "jaxtransport._lockorder",
+            "jaxtransport._nojax",
+            "jaxtransport._compat",
+            "jaxtransport._os",
+        },
+    }
+    bad = {
+        (m, t)
+        for m in MODULES
+        for pkg, ok in allowed.items()
+        if m == pkg or m.startswith(pkg + ".")
+        for t in GRAPH[m]
+        if not (t == pkg or t.startswith(pkg + ".")) and t not in ok
+    }
+    assert not bad, sorted(bad)
+
+
+def test_no_module_outside_os_names_a_platform():
+    """Note [platforms]: the OS facilities are chosen by feature detection inside ``_os``;
+    no other module tests ``sys.platform`` or reads ``/proc``."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "jaxtransport._os" or name.startswith("jaxtransport._os."):
+            continue
+        text = path.read_text()
+        for needle in (
+            "sys.platform",
+            "/proc/",
+            "sched_getaffinity",
+            "socket.SOCK_SEQPACKET",
+            "memfd_create(",
+            "pidfd_open",
+        ):
+            if needle in text:
+                offenders.append((name, needle))
+    assert not offenders, offenders
 
 
 def test_no_package_reaches_into_a_siblings_private_modules():
@@ -149,6 +207,8 @@ def test_no_package_reaches_into_a_siblings_private_modules():
         (m, t)
         for m in MODULES
         for t in GRAPH[m]
-        if _package_of(t) not in ("jaxtransport", _package_of(m)) and t.rpartition(".")[2].startswith("_")
+        if _package_of(t) not in ("jaxtransport", _package_of(m))
+        and t.rpartition(".")[2].startswith("_")
+        and MODULES[t].name != "__init__.py"  # a private subpackage's interface (_os, _shm)
     }
     assert not reaches, sorted(reaches)

@@ -557,6 +557,7 @@ def big_result(i, n=4 << 20):
     return np.full(n // 8, i, dtype=np.float64)
 
 
+@pytest.mark.shm
 @pytest.mark.parametrize("chunksize", [1, 3])
 def test_map_keeps_no_reference_to_results_already_yielded(chunksize):
     # concurrent.futures' map generator drops each result as it yields it: a large result's

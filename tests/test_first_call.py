@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport import _shm
+from jaxtransport import _os, _shm
 from jaxtransport._errors import ShmCapacityError
 
 from .conftest import ROOT, run_python, wait_until
@@ -42,7 +42,7 @@ def allocated(fd: int) -> int:
 
 
 def test_population_method_follows_the_kernel():
-    method = _shm.populate_method()
+    method = _os.populate_method()
     if _kernel_at_least(5, 14):
         assert method == "madvise"
     else:
@@ -51,7 +51,7 @@ def test_population_method_follows_the_kernel():
 
 def test_new_segment_has_every_page_before_the_first_write():
     size = 8 * MIB
-    fd, mm = _shm.create_segment(size)
+    fd, mm = _os.create_segment(size)
     try:
         assert allocated(fd) >= size  # reserved up front: a full system fails here, not later
         view = np.frombuffer(mm, np.uint8)
@@ -67,19 +67,19 @@ def test_memory_that_cannot_be_had_is_a_capacity_error_not_sigbus():
     """A write to a page past the end of a memfd is a SIGBUS. MADV_POPULATE_WRITE reports it as
     an error instead, which the arena turns into ShmCapacityError: the same path a system out of
     memory takes. Run in a fresh interpreter so that a SIGBUS would fail the test, not pytest."""
-    if _shm.populate_method() != "madvise":
+    if _os.populate_method() != "madvise":
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (fallocate path: reserved up front)")
     code = textwrap.dedent(
         """
         import os
-        from jaxtransport import _shm
+        from jaxtransport import _os, _shm
         from jaxtransport._errors import ShmCapacityError
         fd = os.memfd_create("short", os.MFD_CLOEXEC)
         os.ftruncate(fd, 64 * _shm.PAGE)
         mm = __import__("mmap").mmap(fd, 64 * _shm.PAGE)
         os.ftruncate(fd, _shm.PAGE)  # the mapping has 64 pages; the file now has one
         try:
-            _shm.populate(mm, 0, 64 * _shm.PAGE)
+            _os.populate(mm, 0, 64 * _shm.PAGE)
         except ShmCapacityError as e:
             assert "could not reserve" in str(e) and "Fixes" in str(e), e
             print("capacity error")
@@ -357,18 +357,18 @@ def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
 
 def test_large_segment_populated_in_parts_has_every_page():
     size = 72 * MIB  # above the size populated by several threads
-    fd, mm = _shm.create_segment(size)
+    fd, mm = _os.create_segment(size)
     try:
         assert allocated(fd) >= size
     finally:
         mm.close()
         os.close(fd)
-    if _shm.populate_method() != "madvise":
+    if _os.populate_method() != "madvise":
         return
     code = textwrap.dedent(
         """
         import mmap, os
-        from jaxtransport import _shm
+        from jaxtransport import _os, _shm
         from jaxtransport._errors import ShmCapacityError
         n = 80 << 20
         fd = os.memfd_create("short", os.MFD_CLOEXEC)
@@ -376,7 +376,7 @@ def test_large_segment_populated_in_parts_has_every_page():
         mm = mmap.mmap(fd, n)
         os.ftruncate(fd, n // 2)  # the second half of the mapping has no file behind it
         try:
-            _shm.populate(mm, 0, n)
+            _os.populate(mm, 0, n)
         except ShmCapacityError as e:
             print("capacity error")
         """

@@ -9,7 +9,8 @@ the better or documented):
   for the feeder thread.
 - Messages are single packets on a Unix ``SOCK_SEQPACKET`` socket (Note [queue messages] in
   ``_sharing``): no reader or writer lock exists, so a process killed in ``get()`` or ``put()``
-  blocks nobody.
+  blocks nobody. (Where SEQPACKET is missing, as on macOS, a stream with a reader and a writer
+  lock stands in, as in ``multiprocessing.Queue``: Note [message framing] in ``_os``.)
 - A producer that outpaces its consumers waits in ``put()`` for them to release shared memory
   (bounded by its ``timeout``, or while releases keep coming), then raises ShmCapacityError.
 """
@@ -27,6 +28,7 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import util as _util
 from typing import Any
 
+from .. import _os
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 from ._methods import std_context
@@ -71,6 +73,7 @@ class Queue:
         self._threshold = shm_threshold
         self._placement = placement
         self._writer, self._reader = socketpair()
+        self._rlock, self._wlock = _os.stream_locks(ctx, self._reader)
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._opid = os.getpid()
         self._reset()
@@ -86,10 +89,12 @@ class Queue:
             _reduction.DupFd(self._reader.fileno()),
             self._sem,
             self._opid,
+            self._rlock,
+            self._wlock,
         )
 
     def __setstate__(self, state: tuple) -> None:
-        (self._maxsize, self._threshold, self._placement, w, r, self._sem, self._opid) = state
+        (self._maxsize, self._threshold, self._placement, w, r, self._sem, self._opid, self._rlock, self._wlock) = state
         self._writer, self._reader = socket_from(w), socket_from(r)
         self._reset()
 
@@ -131,7 +136,7 @@ class Queue:
         # thread switch on the way); order is kept because the feeder is idle.
         if not self._buffer and not self._busy[0]:
             try:
-                _sharing.send_packet(self._writer, out, nowait=True)
+                _sharing.send_packet(self._writer, out, nowait=True, lock=self._wlock)
                 return
             except BlockingIOError:
                 pass
@@ -153,7 +158,7 @@ class Queue:
         rebuilt (corrupt, or its memory is gone); that message is lost, later ones are not."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        packet, fds = take_packet(self._reader, block, timeout)
+        packet, fds = take_packet(self._reader, block, timeout, self._rlock)
         self._sem.release()
         return _sharing.decode(packet, fds, self._placement)
 
@@ -201,7 +206,7 @@ class Queue:
     def _start_thread(self) -> None:
         self._thread = threading.Thread(
             target=Queue._feed,
-            args=(self._buffer, self._notempty, self._writer, self._busy),
+            args=(self._buffer, self._notempty, self._writer, self._busy, self._wlock),
             name="jaxtransport-queue-feeder",
             daemon=True,
         )
@@ -225,7 +230,7 @@ class Queue:
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer: Any, notempty: Any, writer: Any, busy: Any) -> None:
+    def _feed(buffer: Any, notempty: Any, writer: Any, busy: Any, wlock: Any) -> None:
         out = None
         while True:
             with notempty:
@@ -241,7 +246,7 @@ class Queue:
                 writer.close()
                 return
             try:
-                _sharing.send_packet(writer, out)
+                _sharing.send_packet(writer, out, lock=wlock)
             except OSError:
                 out.discard()  # the queue's socket is gone: nobody can take it
 
@@ -308,6 +313,7 @@ class SimpleQueue:
         self._threshold = shm_threshold
         self._placement = placement
         self._writer, self._reader = socketpair()
+        self._rlock, self._wlock = _os.stream_locks(ctx or std_context(), self._reader)
         self._closed = False
 
     def __getstate__(self) -> tuple:
@@ -317,10 +323,12 @@ class SimpleQueue:
             self._placement,
             _reduction.DupFd(self._writer.fileno()),
             _reduction.DupFd(self._reader.fileno()),
+            self._rlock,
+            self._wlock,
         )
 
     def __setstate__(self, state: tuple) -> None:
-        self._threshold, self._placement, w, r = state
+        self._threshold, self._placement, w, r, self._rlock, self._wlock = state
         self._writer, self._reader = socket_from(w), socket_from(r)
         self._closed = False
 
@@ -330,7 +338,7 @@ class SimpleQueue:
             raise ValueError("SimpleQueue is closed")
         out = _sharing.commit(_sharing.prepare(obj, self._threshold, "obj"))
         try:
-            _sharing.send_packet(self._writer, out)
+            _sharing.send_packet(self._writer, out, lock=self._wlock)
         except BaseException:
             out.discard()
             raise
@@ -338,7 +346,7 @@ class SimpleQueue:
     def get(self) -> Any:
         if self._closed:
             raise ValueError("SimpleQueue is closed")
-        packet, fds = take_packet(self._reader, True, None)
+        packet, fds = take_packet(self._reader, True, None, self._rlock)
         return _sharing.decode(packet, fds, self._placement)
 
     def empty(self) -> bool:

@@ -4,7 +4,11 @@ Note [queue messages]
 A message is exactly one ``SOCK_SEQPACKET`` packet on a Unix socket, carrying the segment fds it
 refers to as SCM_RIGHTS ancillary data. One packet is atomic: any number of processes may put and
 get on the same socket without locks, and a process killed at any moment leaves neither half a
-message nor a held lock behind. The packet is a small pickle::
+message nor a held lock behind. Where SEQPACKET is missing (macOS) a message is a length-prefixed
+record on a stream, under a writer and a reader lock where processes share the socket (Note
+[message framing] in ``_os``): there, as with ``multiprocessing.Queue``, a process killed in
+the middle of a message can leave the queue unusable. In-band (no fd passing), a message has no
+fds and no slots: everything is in its pickle. The packet is a small pickle::
 
     (MAGIC, producer, data | None, entries, segs, blob, live, bundled)
 
@@ -32,7 +36,7 @@ the Pool's workers do. Instead every slot starts with a 64-byte header in the sh
 itself::
 
     [0:8) serial (written by the sender at put)   [8:16) released serial (written by the receiver)
-    [16:24) receiver pid                          [24:32) receiver start time (/proc, pid reuse)
+    [16:24) receiver pid                          [24:32) receiver token (start time: pid reuse)
 
 The receiver writes its pid when it takes the message, wraps each slot in a per-transfer holder as
 the Pool does (Note [slot lifetime] in ``_shm``), and writes ``released = serial`` when the last
@@ -59,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _shm
+from .. import _os, _shm
 from .._errors import ShmCapacityError, ShmHandleError, TransportError
 from .._nojax import find_tracer
 from .._pickling import PICKLE_PROTOCOL
@@ -76,18 +80,9 @@ _RELEASE_POLL_S = 0.02
 
 
 def _proc_start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    """A token of the live process ``pid``, None if it is gone (``_os.process_token``: its
+    start time where ``/proc`` exists, so a reused pid reads differently)."""
+    return _os.process_token(pid)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +270,7 @@ class Outgoing:
 def _bundle(fds: list[int]) -> int:
     """A socket holding ``fds`` in flight (SCM_RIGHTS, MAX_FDS at a time), its writing end
     closed: one fd that stands for any number of them (Note [queue messages])."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a, b = _os.message_socketpair()
     try:
         for i in range(0, len(fds), MAX_FDS):
             part = fds[i : i + MAX_FDS]
@@ -324,6 +319,9 @@ def prepare(obj: Any, threshold: int, root: str):
     (with the key path under ``root``) or the pickling error before anything is queued."""
     from .. import _wire
 
+    if _os.in_band():  # no shared memory to pass here: everything inside the pickle
+        _os.warn_in_band("jaxtransport.multiprocessing")
+        threshold = _os.IN_BAND_THRESHOLD
     return _wire.prepare(obj, threshold=threshold, locate=_locate(obj, root))
 
 
@@ -342,7 +340,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
     handles = list(enc.handles)
     try:
         data, blob = enc.data, None
-        if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries):
+        if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries) and not _os.in_band():
             try:
                 blob, view = p.alloc(len(data), p.waiter(timeout))
             except ShmCapacityError as e:
@@ -386,16 +384,32 @@ def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
     )
 
 
-def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None, nowait: bool = False) -> None:
+def send_packet(
+    sock: socket.socket, out: Outgoing, timeout: float | None = None, nowait: bool = False, lock: Any = None
+) -> None:
     """Send one message (blocking while the socket buffer is full; ``timeout`` bounds that;
-    ``nowait``: BlockingIOError instead of waiting)."""
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out.fds))] if out.fds else []
+    ``nowait``: BlockingIOError instead of waiting). ``lock``: the writer lock of a stream
+    several processes write to (Note [message framing] in ``_os``), held for the message."""
+    if lock is not None:
+        if not (lock.acquire(False) if nowait else lock.acquire(True, timeout)):
+            if nowait:
+                raise BlockingIOError("another writer holds the queue's writer lock")
+            raise TimeoutError("another writer held the queue's writer lock")
+        try:
+            _send_packet(sock, out, timeout, nowait)
+        finally:
+            lock.release()
+        return
+    _send_packet(sock, out, timeout, nowait)
+
+
+def _send_packet(sock: socket.socket, out: Outgoing, timeout: float | None, nowait: bool) -> None:
     if nowait:
-        sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+        _os.send_message(sock, out.packet, out.fds, socket.MSG_DONTWAIT)
         out.sent()
         return
     if timeout is None:
-        sock.sendmsg([out.packet], anc)
+        _os.send_message(sock, out.packet, out.fds)
         out.sent()
         return
     import select
@@ -403,7 +417,7 @@ def send_packet(sock: socket.socket, out: Outgoing, timeout: float | None = None
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock.sendmsg([out.packet], anc, socket.MSG_DONTWAIT)
+            _os.send_message(sock, out.packet, out.fds, socket.MSG_DONTWAIT)
             out.sent()
             return
         except BlockingIOError:
@@ -507,17 +521,11 @@ def recv_packet(sock: socket.socket, nowait: bool = False) -> tuple[bytes, list[
     """One packet and the fds that came with it. Raises EOFError when every writer is gone,
     BlockingIOError (``nowait``) when there is none, TransportError (fds closed) for a
     truncated packet."""
-    fds = array.array("i")
-    msg, anc, flags, _ = sock.recvmsg(
-        RECV_BUF, socket.CMSG_SPACE(MAX_FDS * fds.itemsize + 64), socket.MSG_DONTWAIT if nowait else 0
-    )
-    got: list[int] = []
-    for level, typ, data in anc:
-        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-            a = array.array("i")
-            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
-            got.extend(a)
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    try:
+        msg, got, truncated = _os.recv_message(sock, RECV_BUF, MAX_FDS, socket.MSG_DONTWAIT if nowait else 0)
+    except ValueError as e:  # a garbled stream (Note [message framing] in _os)
+        raise _garbage(str(e)) from None
+    if truncated:
         _close_all(got)
         raise TransportError(
             "Corrupt message on a jaxtransport.multiprocessing queue or pipe: the packet or its fds "

@@ -1,6 +1,7 @@
 """The socket ends that ``Queue``, ``SimpleQueue`` and ``Pipe`` share: checking their options,
-making and inheriting a ``SOCK_SEQPACKET`` pair, and waiting for and taking one packet (the
-packet's format and its fds: Note [queue messages] in ``_sharing``)."""
+making and inheriting a message socket pair (``SOCK_SEQPACKET`` on Linux, a framed stream
+elsewhere: Note [message framing] in ``_os``), and waiting for and taking one message (its
+format and its fds: Note [queue messages] in ``_sharing``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import time
 from typing import Any
 
-from .. import _nojax
+from .. import _nojax, _os
 from . import _sharing
 
 __all__ = ["check_options", "socket_from", "socketpair", "take_packet", "wait_readable"]
@@ -35,13 +36,23 @@ def wait_readable(sock: socket.socket, deadline: float | None) -> bool:
         return bool(r)
 
 
-def take_packet(reader: socket.socket, block: bool, timeout: float | None) -> tuple[bytes, list[int]]:
+def take_packet(reader: socket.socket, block: bool, timeout: float | None, lock: Any = None) -> tuple[bytes, list[int]]:
     """Take one packet and its fds (waiting as ``block``/``timeout`` say, as ``Queue.get``);
     ``queue.Empty`` if none came. Several processes may take from one socket: a packet another
-    one took first is waited past. Nothing is rebuilt here (``_sharing.decode`` does that)."""
+    one took first is waited past; on a stream they take turns under ``lock`` (the reader
+    lock). Nothing is rebuilt here (``_sharing.decode`` does that)."""
     if timeout is not None and timeout < 0:
         raise ValueError("'timeout' must be a non-negative number")
     deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block and timeout else 0.0)
+    if lock is not None:
+        if not lock.acquire(block, None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+            raise queue.Empty
+        try:
+            if not wait_readable(reader, deadline):
+                raise queue.Empty
+            return _sharing.recv_packet(reader)
+        finally:
+            lock.release()
     while True:
         if not wait_readable(reader, deadline):
             raise queue.Empty
@@ -54,9 +65,9 @@ def take_packet(reader: socket.socket, block: bool, timeout: float | None) -> tu
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
-    """A connected pair of Unix ``SOCK_SEQPACKET`` sockets (one packet, one message)."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    return a, b
+    """A connected pair for messages (``_os.message_socketpair``: Unix ``SOCK_SEQPACKET``, one
+    packet one message, on Linux)."""
+    return _os.message_socketpair()
 
 
 def socket_from(df: Any) -> socket.socket:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from .. import _nojax, _procenv, _shm, _usercode
+from .. import _nojax, _os, _procenv, _shm, _usercode
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer, first_tracer
 from ._engine import Engine, terminate_unreferenced
@@ -117,10 +116,7 @@ class Pool:
         if start_method not in multiprocessing.get_all_start_methods():
             raise ValueError(f"start_method {start_method!r} is not available on this platform")
         if processes is None:
-            try:
-                processes = len(os.sched_getaffinity(0))
-            except AttributeError:  # pragma: no cover
-                processes = os.cpu_count() or 1
+            processes = _os.cpu_count()
         if not isinstance(processes, int) or processes < 1:
             raise ValueError(f"Number of processes must be at least 1, got {processes!r}")
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild < 1):
@@ -142,6 +138,9 @@ class Pool:
         if unguarded is not None:
             raise MainGuardError(unguarded)
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
+        if _os.in_band():  # no shared memory to pass: every array inside the pickles (Note [platforms])
+            _os.warn_in_band("jaxtransport.Pool")
+            shm_threshold, args_reserve, results_reserve = _os.IN_BAND_THRESHOLD, 0, 0
         # Default: half the free memory for the pool as a whole, half of that for the parent
         # (arguments, shared trees), the other half split among the workers (results).
         capacity = shm_capacity or _shm.default_capacity(0.5)

@@ -1,14 +1,16 @@
 """The worker process of jaxtransport.Pool.
 
-A worker receives messages from its parent on one pipe and segment fds on a SOCK_SEQPACKET socket
-(see ``_shm``), runs task chunks one at a time, and sends each chunk's results back, large arrays
-through its own :class:`~jaxtransport._shm.Arena`. The messages are the records of
-``_protocol``; each one is validated on arrival. A malformed task fails that task (its chunk id
-is readable) with CorruptTransferError; a message that cannot be read at all is reported to the
-parent (``Garbled``), which replaces the worker, since whatever it carried is lost.
+A worker receives messages from its parent on one pipe and segment fds on a Unix socket
+(see ``_shm``; Note [message framing] in ``_os``), runs task chunks one at a time, and sends
+each chunk's results back, large arrays through its own :class:`~jaxtransport._shm.Arena`.
+The messages are the records of ``_protocol``; each one is validated on arrival. A malformed
+task fails that task (its chunk id is readable) with CorruptTransferError; a message that
+cannot be read at all is reported to the parent (``Garbled``), which replaces the worker,
+since whatever it carried is lost.
 
-The worker exits when told to, when its pipe closes, or when its parent process dies (a pidfd
-watchdog: the parent may have been SIGKILLed). SIGINT is ignored: Ctrl-C is the parent's to handle.
+The worker exits when told to, when its pipe closes, or when its parent process dies (a
+watchdog thread, ``_os.wait_for_exit``: the parent may have been SIGKILLed). SIGINT is ignored:
+Ctrl-C is the parent's to handle.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import traceback
 from typing import Any, NamedTuple
 
-from .. import _procenv
+from .. import _os, _procenv
 from .._errors import CorruptTransferError
 
 
@@ -30,22 +32,7 @@ def _watch_parent(parent_pid: int) -> None:
     """Exit this process as soon as the parent process is gone."""
 
     def run():
-        try:
-            fd = os.pidfd_open(parent_pid)
-        except (AttributeError, OSError):
-            fd = None
-        if fd is None:
-            while True:
-                time.sleep(0.5)
-                try:
-                    os.kill(parent_pid, 0)
-                except ProcessLookupError:
-                    os._exit(3)
-                except PermissionError:
-                    pass
-        import select
-
-        select.select([fd], [], [])
+        _os.wait_for_exit(parent_pid)  # a pidfd on Linux, kill(pid, 0) polls elsewhere
         os._exit(3)
 
     if os.getppid() != parent_pid and parent_pid == 1:

@@ -1,0 +1,154 @@
+"""What does each platform mode cost (docs/platforms.md)? Each mode runs in a fresh interpreter
+with ``JAXTRANSPORT_PLATFORM`` set (the mode is read once per process), one after another in the
+same run:
+
+- ``steady``: a 64 MiB jax.Array argument and the same array back as the result, repeated on a
+  warm 1-worker pool: the Linux path (memfd, ``auto``) against ``portable`` (POSIX shared
+  memory, framed streams, the macOS path). Target: portable within 1.3x of memfd.
+- ``first``: the first 1 GiB transfer into a fresh pool (fresh pages on both sides), per mode.
+- ``inband``: ``inband`` (no shared memory: arrays inside the pickles, the Windows path) against
+  stock ``multiprocessing.Pool`` (spawn) in the same child, for 64 MiB arguments and 2,000 tiny
+  tasks. Target: at least 1.0x.
+
+Run ``python -m benchmarks.platforms [--quick]``. Medians of several repetitions (spread
+printed). A noisy shared machine moves these by tens of percent: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from . import _common
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+# -- worker-side functions (importable: spawn re-imports this module)
+def noop(x):
+    return x
+
+
+def shape_of(x):
+    return tuple(x.shape)
+
+
+def _median(ts):
+    return float(np.median(ts))
+
+
+def _child(what: str, quick: bool) -> dict:
+    """Runs in the child interpreter (its mode set by the parent); returns the figures."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxtransport as jt
+    from jaxtransport import _os
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # the in-band warning, once, is expected
+    out: dict = {"describe": _os.describe()}
+    reps = 5 if quick else 11
+    if what == "steady":
+        x = jnp.arange(64 * MIB // 4, dtype=jnp.float32)
+        with jt.Pool(1) as pool:
+            for _ in range(3):
+                jax.block_until_ready(pool.apply(noop, (x,)))
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                jax.block_until_ready(pool.apply(noop, (x,)))
+                ts.append(time.perf_counter() - t)
+        out["steady_64MiB_arg_result"] = ts
+    elif what == "first":
+        n = (256 * MIB if quick else GIB) // 4
+        x = jax.block_until_ready(jnp.arange(n, dtype=jnp.float32))
+        with jt.Pool(1) as pool:
+            pool.apply(shape_of, (jnp.zeros(4),))  # the worker is up and has JAX: not timed
+            t = time.perf_counter()
+            pool.apply(shape_of, (x,))
+            out["first_transfer"] = [time.perf_counter() - t]
+            out["first_bytes"] = n * 4
+    elif what == "inband":
+        ctx = multiprocessing.get_context("spawn")
+        x = jnp.arange(64 * MIB // 4, dtype=jnp.float32)
+        tiny = 500 if quick else 2000
+        with jt.Pool(2) as jpool, ctx.Pool(2) as mpool:
+            jpool.map(noop, range(50))
+            mpool.map(noop, range(50))
+            jpool.apply(shape_of, (x,))
+            mpool.apply(shape_of, (x,))
+            for name, jfn, mfn in (
+                ("arg_64MiB", lambda: jpool.apply(shape_of, (x,)), lambda: mpool.apply(shape_of, (x,))),
+                ("tiny_map", lambda: jpool.map(noop, range(tiny)), lambda: mpool.map(noop, range(tiny))),
+            ):
+                jts, mts = [], []
+                for k in range(reps):
+                    for ts, fn in ((jts, jfn), (mts, mfn)) if k % 2 == 0 else ((mts, mfn), (jts, jfn)):
+                        t = time.perf_counter()
+                        fn()
+                        ts.append(time.perf_counter() - t)
+                out[f"{name}_jaxtransport"] = jts
+                out[f"{name}_multiprocessing"] = mts
+        out["tiny_tasks"] = tiny
+    return out
+
+
+def _run_child(mode: str, what: str, quick: bool) -> dict:
+    env = dict(os.environ, JAXTRANSPORT_PLATFORM=mode)
+    code = f"import json, benchmarks.platforms as b; print('JSON' + json.dumps(b._child({what!r}, {quick!r})))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("JSON"):
+            return json.loads(line[4:])
+    raise RuntimeError(f"{mode}/{what} failed:\n{proc.stderr[-3000:]}")
+
+
+def _fmt(ts) -> str:
+    return f"{_median(ts) * 1e3:8.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
+
+
+def run(quick: bool = False) -> list[dict]:
+    rows: list[dict] = []
+    steady = {m: _run_child(m, "steady", quick) for m in ("auto", "portable")}
+    for m, r in steady.items():
+        print(f"steady 64 MiB arg+result  {m:9s} {_fmt(r['steady_64MiB_arg_result'])}  {r['describe']}")
+        rows.append(_common.row("steady_64MiB_arg_result", 64 * MIB, m, _median(r["steady_64MiB_arg_result"])))
+    ratio = _median(steady["portable"]["steady_64MiB_arg_result"]) / _median(steady["auto"]["steady_64MiB_arg_result"])
+    print(f"  portable / memfd: {ratio:.2f}x (target <= 1.3x)")
+    for m in ("auto", "portable"):
+        r = _run_child(m, "first", quick)
+        gbps = r["first_bytes"] / r["first_transfer"][0] / 1e9
+        print(f"first {r['first_bytes'] >> 20} MiB transfer  {m:9s} {_fmt(r['first_transfer'])}  {gbps:.2f} GB/s")
+        rows.append(_common.row("first_transfer", r["first_bytes"], m, r["first_transfer"][0]))
+    r = _run_child("inband", "inband", quick)
+    print(f"in-band: {r['describe']}")
+    for name in ("arg_64MiB", "tiny_map"):
+        j, m = r[f"{name}_jaxtransport"], r[f"{name}_multiprocessing"]
+        print(
+            f"{name:10s} in-band jaxtransport {_fmt(j)}  multiprocessing.Pool {_fmt(m)}  "
+            f"ratio {_median(m) / _median(j):.2f}x (target >= 1.0x)"
+        )
+        rows.append(_common.row(f"inband_{name}", 64 * MIB if "64" in name else 0, "inband", _median(j)))
+        rows.append(_common.row(f"inband_{name}", 64 * MIB if "64" in name else 0, "multiprocessing.Pool", _median(m)))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions; the first transfer is 256 MiB")
+    args = ap.parse_args(argv)
+    _common.print_env("platform modes (docs/platforms.md)")
+    run(quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Sockets that carry messages and fds between processes (Note [message framing]).
+
+Note [message framing]
+On Linux a message is one ``SOCK_SEQPACKET`` packet on a Unix socket pair, the fds it names
+riding along as SCM_RIGHTS: a packet is atomic, so several processes put and get on one socket
+without locks. macOS has no SEQPACKET on Unix sockets (and its ``SOCK_DGRAM`` is capped at 2 KiB
+a datagram by default), so there, and in ``JAXTRANSPORT_PLATFORM=portable``, messages go on a
+``SOCK_STREAM`` Unix socket pair, each an 8-byte little-endian length and then the bytes, its fds
+attached to the first bytes sent (the kernel hands them over with the first bytes read). A
+stream is not atomic: where several processes share one (a queue), a writer lock and a reader
+lock, process-shared, keep messages whole (:func:`stream_locks`; ``multiprocessing.Queue`` does
+the same). Without fd passing (Windows, or ``JAXTRANSPORT_PLATFORM=inband``) the pair is
+whatever ``socket.socketpair()`` gives (a TCP pair on Windows) and carries no fds.
+Which framing a socket has is read from the socket itself (:func:`is_stream`), so both ends
+agree whatever each process's mode is.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import select
+import socket
+import struct
+from typing import Any
+
+from . import _mode
+
+__all__ = [
+    "fd_passing",
+    "framing",
+    "is_stream",
+    "message_socketpair",
+    "recv_fd",
+    "recv_message",
+    "send_fd",
+    "send_message",
+    "stream_locks",
+]
+
+_LEN = struct.Struct("<Q")
+MAX_MESSAGE = 1 << 40  # a longer length in a stream's header is garbage, not a message
+
+
+def fd_passing() -> bool:
+    """Whether fds can be passed between processes here (Unix sockets with SCM_RIGHTS), and
+    the mode allows it (not ``inband``)."""
+    if _mode.mode() == _mode.INBAND:
+        return False
+    return all(hasattr(socket, n) for n in ("AF_UNIX", "SCM_RIGHTS", "send_fds", "recv_fds"))
+
+
+def _seqpacket() -> bool:
+    return _mode.mode() == _mode.AUTO and hasattr(socket, "SOCK_SEQPACKET") and fd_passing()
+
+
+def framing() -> str:
+    """What :func:`message_socketpair` makes here: ``"seqpacket"``, ``"stream"`` (Unix, with
+    fds) or ``"socketpair"`` (no fd passing)."""
+    if _seqpacket():
+        return "seqpacket"
+    return "stream" if fd_passing() else "socketpair"
+
+
+def message_socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair for messages (Note [message framing]): Unix SEQPACKET where it exists,
+    else a Unix stream, else (no fd passing) the platform's ``socketpair()``."""
+    if _seqpacket():
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if fd_passing():
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return socket.socketpair()
+
+
+def is_stream(sock: socket.socket) -> bool:
+    """Whether ``sock`` frames messages itself (a stream), not one packet per message."""
+    return sock.type == socket.SOCK_STREAM
+
+
+def stream_locks(ctx: Any, sock: socket.socket) -> tuple[Any, Any]:
+    """``(reader lock, writer lock)`` for a socket several processes share: ``ctx.Lock()``s for
+    a stream (Note [message framing]), ``(None, None)`` for packets (atomic already)."""
+    if is_stream(sock):
+        return ctx.Lock(), ctx.Lock()
+    return None, None
+
+
+def _anc(fds) -> list:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+def _fds_of(anc) -> list[int]:
+    got: list[int] = []
+    for level, typ, data in anc:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+            got.extend(a)
+    return got
+
+
+def send_message(sock: socket.socket, payload: bytes, fds=(), flags: int = 0) -> None:
+    """Send one message with ``fds``. ``flags`` may hold MSG_DONTWAIT: BlockingIOError when
+    it cannot all go at once. On a stream a message once begun must be sent to its end, and
+    only the kernel knows whether it will fit, so there MSG_DONTWAIT always raises
+    BlockingIOError (the caller's feeder thread sends it, as ``multiprocessing.Queue``'s does):
+    a put must never block its own caller on a reader that is that same caller."""
+    if not is_stream(sock):
+        sock.sendmsg([payload], _anc(fds), flags)
+        return
+    if flags & getattr(socket, "MSG_DONTWAIT", 0):
+        raise BlockingIOError(errno.EAGAIN, "a stream message is sent whole, by a thread that may block")
+    head = _LEN.pack(len(payload))
+    if fds:
+        sent = sock.sendmsg([head], _anc(fds))  # the fds ride on the first bytes
+        if sent < len(head):
+            _send_rest(sock, memoryview(head)[sent:])
+    else:
+        _send_rest(sock, memoryview(head))
+    _send_rest(sock, memoryview(payload))
+
+
+def _send_rest(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        try:
+            n = sock.send(view)
+        except BlockingIOError:
+            select.select([], [sock], [])
+            continue
+        view = view[n:]
+
+
+def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
+    out = into if into is not None else bytearray(n)
+    view = memoryview(out)[len(out) - n :]
+    while view:
+        try:
+            k = sock.recv_into(view)
+        except BlockingIOError:
+            select.select([sock], [], [])
+            continue
+        if not k:
+            raise EOFError("the peer closed the socket mid-message")
+        view = view[k:]
+    return out
+
+
+def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
+    """One message: ``(bytes, fds, truncated)``; ``(b"", [], False)`` at end of stream.
+    ``flags`` may hold MSG_DONTWAIT (BlockingIOError when none has begun). A packet longer
+    than ``bufsize`` is truncated (and says so); a stream message is read whole. ValueError
+    (its fds closed) for a stream header no message has: something else wrote to the stream,
+    and unlike packets, the messages after it cannot be found again."""
+    cmsg = socket.CMSG_SPACE(maxfds * 4 + 64) if fd_passing() else 0
+    if not is_stream(sock):
+        msg, anc, mflags, _ = sock.recvmsg(bufsize, cmsg, flags)
+        return msg, _fds_of(anc), bool(mflags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+    head, anc, mflags, _ = sock.recvmsg(_LEN.size, cmsg, flags) if cmsg else (sock.recv(_LEN.size, flags), [], 0, None)
+    fds = _fds_of(anc)
+    if not head:
+        return b"", fds, False
+    try:
+        if len(head) < _LEN.size:
+            head = bytes(_recv_exact(sock, _LEN.size - len(head), bytearray(head) + bytearray(_LEN.size - len(head))))
+        (n,) = _LEN.unpack(head)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"a message header announces {n} bytes: not a message (the stream is garbled)")
+        body = _recv_exact(sock, n) if n else bytearray()
+    except BaseException:
+        for fd in fds:
+            _close(fd)
+        raise
+    return bytes(body), fds, bool(mflags & socket.MSG_CTRUNC)
+
+
+def _close(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# -- the Pool's fd channel: fixed-size records, each with one fd
+
+
+def send_fd(sock: socket.socket, record: bytes, fd: int) -> None:
+    """Pass ``fd`` with a fixed-size ``record`` (SCM_RIGHTS). Raises OSError if the peer is
+    gone. One thread sends on a channel."""
+    socket.send_fds(sock, [record], [fd])
+
+
+def recv_fd(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
+    """One fixed-size record and its fds (``b""`` at end of stream). On a stream the rest of a
+    record that arrived in parts is read (it is on its way)."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, size, 4)
+    if data and len(data) < size and is_stream(sock):
+        data = bytes(_recv_exact(sock, size - len(data), bytearray(data) + bytearray(size - len(data))))
+    return data, fds

@@ -1,0 +1,491 @@
+"""The sender's side: an :class:`Arena` of recycled segments, and passing a segment's fd
+(Note [shared memory design], Note [slot lifetime] in ``jaxtransport._shm``)."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from .. import _lockorder, _os
+from .._errors import ShmCapacityError, ShmHandleError
+from ._handles import SLAB, Handle, default_capacity, format_bytes, free_memory, size_class
+
+__all__ = ["FD_MSG", "Arena", "close_quietly", "fd_socketpair", "send_segment"]
+
+FD_MSG = struct.Struct("<QQ")  # segment id, segment size
+
+
+def fd_socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix sockets for passing segment fds (Note [message framing] in
+    ``_os``: SEQPACKET on Linux, a stream elsewhere)."""
+    return _os.message_socketpair()
+
+
+def send_segment(sock: socket.socket, seg_id: int, size: int, fd: int) -> None:
+    """Pass one segment's fd to the peer (SCM_RIGHTS). Raises OSError if the peer is gone."""
+    _os.send_fd(sock, FD_MSG.pack(seg_id, size), fd)
+
+
+# --------------------------------------------------------------------------------------------
+# Sender side
+
+
+class _Seg:
+    __slots__ = ("addr", "cls", "fd", "free_count", "mm", "nslots", "seg_id", "size")
+
+    def __init__(self, seg_id, size, fd, mm, cls, nslots):
+        self.seg_id, self.size, self.fd, self.mm = seg_id, size, fd, mm
+        self.cls, self.nslots, self.free_count = cls, nslots, nslots
+        self.addr = _os.addr(mm)
+
+
+class _Slot:
+    __slots__ = ("gen", "refs")
+
+    def __init__(self):
+        self.gen = 0
+        self.refs: dict[Hashable, int] = {}
+
+
+class Arena:
+    """The recycled shared memory a process sends from. Thread-safe.
+
+    ``alloc`` hands out a slot with one reference held by ``borrower``; ``transfer``, ``lend``,
+    ``acquire`` and ``release`` move and count references (Note [slot lifetime]); a slot whose
+    count reaches zero returns to its free list. Segments are created on demand up to
+    ``capacity`` bytes in all; when that would be exceeded, wholly free segments of other sizes
+    are unmapped first (their ids are queued for ``take_forgotten`` so receivers unmap them too),
+    then ``alloc`` waits for releases as long as ``wait`` says progress is possible, then raises
+    ShmCapacityError.
+    """
+
+    def __init__(self, capacity: int | None = None, label: str = "this process"):
+        self.capacity = int(capacity) if capacity else default_capacity()
+        self.label = label
+        self.cond = _lockorder.condition("Arena.cond")
+        self._segs: dict[int, _Seg] = {}
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._free: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        self._next_id = 1
+        self.mapped = 0  # bytes of all segments
+        self._forgotten: list[int] = []
+        self._deferred: collections.deque = collections.deque()  # (handle, borrower) to release
+        self.closed = False
+        self.segments_created = 0
+        self.segments_grown = 0
+        self._pending = 0  # bytes of reservations being made (reserve()), counted in capacity
+        self._pending_cls: collections.Counter = collections.Counter()
+        self.reserve_error: BaseException | None = None
+        self._frees = 0  # slots freed so far (a waiting alloc sees a release it did not wait for)
+
+    # -- inspection
+    def segment(self, seg_id: int) -> _Seg | None:
+        return self._segs.get(seg_id)
+
+    @property
+    def last_segment_id(self) -> int:
+        """The newest segment id ever made (0: none). Ids are never reused, so this only grows
+        (unlike ``segments_created``, which a growth leaves unchanged)."""
+        return self._next_id - 1
+
+    def segments(self) -> list[_Seg]:
+        with self.cond:
+            return list(self._segs.values())
+
+    def in_use(self) -> int:
+        with self.cond:
+            self._apply_deferred()
+            return sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+
+    def held_by(self, borrower: Hashable) -> int:
+        with self.cond:
+            return sum(s.refs.get(borrower, 0) for s in self._slots.values())
+
+    def take_forgotten(self) -> list[int]:
+        """Ids of segments this arena unmapped since the last call (receivers may unmap them)."""
+        with self.cond:
+            out, self._forgotten = self._forgotten, []
+            return out
+
+    def has_forgotten(self) -> bool:
+        return bool(self._forgotten)
+
+    def defer_release(self, handle: Handle, borrower: Hashable) -> None:
+        """Queue ``release(handle, borrower)`` for the next time the arena is used. Safe from a
+        weakref finalizer in any thread, even one that holds ``cond`` (an atomic append)."""
+        self._deferred.append((handle, borrower))
+        # A waiting alloc re-checks every few ms (see alloc); nothing else to wake here.
+
+    def _apply_deferred(self) -> None:
+        # Called with cond held.
+        pop = self._deferred.popleft
+        while self._deferred:
+            try:
+                handle, borrower = pop()
+            except IndexError:
+                return
+            self._release_locked(handle, borrower, 1)
+
+    # -- allocation
+    def _new_segment(self, cls: int) -> None:
+        nslots = max(1, SLAB // cls)
+        fd, mm = _os.create_segment(cls * nslots)
+        self._install(cls, fd, mm)
+
+    def _install(self, cls: int, fd: int, mm: mmap.mmap) -> None:
+        nslots = max(1, SLAB // cls)
+        size = cls * nslots
+        seg_id = self._next_id
+        self._next_id += 1
+        seg = _Seg(seg_id, size, fd, mm, cls, nslots)
+        self._segs[seg_id] = seg
+        self.mapped += size
+        self.segments_created += 1
+        free = self._free[cls]
+        for i in reversed(range(nslots)):
+            self._slots[(seg_id, i * cls)] = _Slot()
+            free.append((seg_id, i * cls))
+
+    def _larger_free(self, cls: int) -> tuple[int, int] | None:
+        """A free slot of the smallest class in ``(cls, 2 * cls]`` for a large class (one slot
+        per segment): a slightly smaller array reuses touched memory instead of fresh pages."""
+        if cls < SLAB:
+            return None
+        best = None
+        for c, keys in self._free.items():
+            if keys and cls < c <= 2 * cls and (best is None or c < best):
+                best = c
+        return self._free[best].pop() if best is not None else None
+
+    def _pending_for(self, cls: int) -> bool:
+        return any(n and (c == cls or (cls >= SLAB and cls < c <= 2 * cls)) for c, n in self._pending_cls.items())
+
+    def _grow_one(self, cls: int) -> bool:
+        """Grow the largest wholly free one-slot segment smaller than ``cls`` into a segment of
+        class ``cls`` under a new id (receivers forget the old id): only the tail is fresh
+        memory. False when there is none or the growth does not fit the capacity."""
+        if cls < SLAB or not _os.can_grow():
+            return False
+        best = None
+        for seg in self._segs.values():
+            if (
+                seg.nslots == 1
+                and seg.free_count == 1
+                and SLAB <= seg.cls < cls
+                and (best is None or seg.cls > best.cls)
+            ):
+                best = seg
+        if best is None or self.mapped + self._pending + cls - best.size > self.capacity:
+            return False
+        fd, old_size = best.fd, best.size
+        best.fd = None  # keep the file: _drop_segment closes only the old mapping
+        try:
+            mm = _os.grow_segment(fd, old_size, cls)
+        except BaseException:
+            best.fd = fd
+            raise
+        self._drop_segment(best)
+        self._install(cls, fd, mm)
+        self.segments_created -= 1
+        self.segments_grown += 1
+        return True
+
+    def reserve(self, nbytes: int, what: str = "shm_reserve") -> threading.Thread | None:
+        """Make a segment serving arrays of up to ``nbytes`` in a background thread (pages
+        allocated there, Note [how a segment gets its pages]), so the first transfer of that
+        size pays no page faults. ``alloc`` calls that need this class wait for it rather than
+        make another. A failure is kept in ``reserve_error`` and raised by the next ``alloc``.
+        Raises ShmCapacityError at once when ``nbytes`` does not fit the capacity."""
+        if nbytes <= 0:
+            return None
+        cls = size_class(nbytes)
+        seg_size = cls * max(1, SLAB // cls)
+        with self.cond:
+            if self.mapped + self._pending + seg_size > self.capacity:
+                raise ShmCapacityError(
+                    f"{what}={nbytes} ({format_bytes(nbytes)}) does not fit the shared-memory cap of "
+                    f"{self.label}: shm_capacity={self.capacity} ({format_bytes(self.capacity)}); a slot "
+                    f"for it takes {format_bytes(seg_size)}. Lower {what} or raise shm_capacity."
+                )
+            self._pending += seg_size
+            self._pending_cls[cls] += 1
+
+        def work():
+            made, err = None, None
+            try:
+                made = _os.create_segment(seg_size)
+            except BaseException as e:  # noqa: BLE001 - handed to the next alloc
+                err = e
+                if isinstance(e, ShmCapacityError):
+                    err = ShmCapacityError(f"{what}={nbytes} could not be reserved in {self.label}: {e}")
+            with self.cond:
+                self._pending -= seg_size
+                self._pending_cls[cls] -= 1
+                if made is not None and not self.closed:
+                    self._install(cls, *made)
+                elif made is not None:
+                    os.close(made[0])
+                    made[1].close()
+                else:
+                    self.reserve_error = err
+                self.cond.notify_all()
+
+        t = threading.Thread(target=work, name="jaxtransport-shm-reserve", daemon=True)
+        t.start()
+        return t
+
+    def _evict_one(self, keep_cls: int) -> bool:
+        for seg in list(self._segs.values()):
+            if seg.free_count == seg.nslots and seg.cls != keep_cls:
+                self._drop_segment(seg)
+                return True
+        for seg in list(self._segs.values()):
+            if seg.free_count == seg.nslots:
+                self._drop_segment(seg)
+                return True
+        return False
+
+    def _drop_segment(self, seg: _Seg) -> None:
+        del self._segs[seg.seg_id]
+        self._free[seg.cls] = [k for k in self._free[seg.cls] if k[0] != seg.seg_id]
+        for i in range(seg.nslots):
+            self._slots.pop((seg.seg_id, i * seg.cls), None)
+        self.mapped -= seg.size
+        self._forgotten.append(seg.seg_id)
+        close_quietly(seg)
+
+    def alloc(self, nbytes: int, borrower: Hashable, wait: Callable[[], Any] | None = None):
+        """A slot of at least ``nbytes``: returns ``(handle, writable uint8 ndarray of nbytes)``.
+
+        Costs nothing but bookkeeping when a free slot of the class exists; else one new
+        segment (fresh pages) within the cap; else waits (see class docstring).
+
+        ``wait()`` is the caller's wait hook, asked each time no slot can be had: None or False
+        to give up (ShmCapacityError), True to look again at once (the hook waited itself), or
+        seconds to wait for a release before looking again.
+
+        Note [no call out under Arena.cond]
+        The hook runs with ``cond`` released: it belongs to another component (the pool
+        engine's takes the engine's lock; a worker's reads its pipe), and calling it with
+        ``cond`` held made the order ``Arena.cond -> Engine.lock`` while dispatch takes
+        ``Engine.lock -> Arena.cond``: three threads submitting at the memory cap deadlocked.
+        Nothing outside this class is called with ``cond`` held; a release that lands while
+        the hook runs is seen through ``_frees`` (no wait then).
+        """
+        cls = size_class(nbytes)
+        seg_size = cls * max(1, SLAB // cls)
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise ShmCapacityError(f"the shared memory of {self.label} was closed")
+                if self.reserve_error is not None:
+                    err, self.reserve_error = self.reserve_error, None
+                    raise err
+                if self._deferred:
+                    self._apply_deferred()
+                free = self._free.get(cls)
+                if free:
+                    key = free.pop()
+                    break
+                key = self._larger_free(cls)  # type: ignore[assignment]
+                if key is not None:
+                    break
+                if self._pending_for(cls):
+                    self.cond.wait()  # reserve() is making it; it notifies when done
+                    continue
+                if self._grow_one(cls):
+                    continue
+                if self.mapped + self._pending + seg_size <= self.capacity:
+                    self._new_segment(cls)
+                    continue
+                if self._evict_one(cls):
+                    continue
+                if seg_size > self.capacity:
+                    raise self._capacity_error(nbytes, seg_size, impossible=True)
+                if wait is None:
+                    raise self._capacity_error(nbytes, seg_size)
+                # Note [no call out under Arena.cond]: the hook runs with the lock released.
+                frees = self._frees
+                self.cond.release()
+                try:
+                    pause = wait()
+                finally:
+                    self.cond.acquire()
+                if pause is None or pause is False:
+                    raise self._capacity_error(nbytes, seg_size)
+                if pause is not True and pause > 0 and self._frees == frees and not self._deferred:
+                    self.cond.wait(pause)
+            seg = self._segs[key[0]]
+            seg.free_count -= 1
+            slot = self._slots[key]
+            slot.gen += 1
+            slot.refs = {borrower: 1}
+            handle = Handle(key[0], key[1], nbytes, slot.gen)
+        view = np.frombuffer(seg.mm, np.uint8, count=nbytes, offset=key[1])
+        return handle, view
+
+    def _capacity_error(self, nbytes: int, seg_size: int, impossible: bool = False) -> ShmCapacityError:
+        held = sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+        if impossible:
+            why = (
+                f"a single array of {format_bytes(nbytes)} is larger than "
+                f"shm_capacity={self.capacity} ({format_bytes(self.capacity)})"
+            )
+        else:
+            why = (
+                f"shm_capacity={self.capacity} ({format_bytes(self.capacity)}) is reached: "
+                f"{format_bytes(held)} are held by "
+                "arrays the receivers still keep alive (results you have not dropped, SharedTrees not "
+                f"released, arrays a worker keeps; holders: {self._holders()}) and no release came in time"
+            )
+        return ShmCapacityError(
+            f"jaxtransport.Pool could not get {format_bytes(nbytes)} ({nbytes} bytes) of shared memory "
+            f"in {self.label}: "
+            f"{why}; {format_bytes(self.mapped)} mapped, about {format_bytes(free_memory())} free on the system. "
+            "Fixes: drop received arrays you no longer need, call SharedTree.release(), raise "
+            "Pool(shm_capacity=...), or raise shm_threshold so smaller arrays travel inline."
+        )
+
+    def _holders(self) -> str:
+        """Lock held: who holds the live slots, largest first (for the capacity error)."""
+        by: dict[str, list[int]] = {}
+        for k, s in self._slots.items():
+            for b in s.refs:
+                name = " ".join(map(str, b)) if isinstance(b, tuple) else str(b)
+                n = by.setdefault(name, [0, 0])
+                n[0] += 1
+                n[1] += self._segs[k[0]].cls
+        top = sorted(by.items(), key=lambda kv: -kv[1][1])
+        text = ", ".join(f"{name}: {n} slot{'s' * (n != 1)} ({format_bytes(b)})" for name, (n, b) in top[:6])
+        return text + (f" and {len(top) - 6} more" if len(top) > 6 else "") if top else "none"
+
+    # -- reference counting (Note [slot lifetime])
+    def _slot(self, handle: Handle) -> _Slot | None:
+        if type(handle) is not Handle:  # a plain tuple, as handles travel
+            try:
+                handle = Handle._make(handle)
+            except TypeError:
+                return None
+        try:
+            slot = self._slots.get((handle.seg, handle.offset))
+        except TypeError:
+            return None
+        if slot is None or slot.gen != handle.gen or not slot.refs:
+            return None
+        return slot
+
+    def _free_slot(self, handle: Handle, slot: _Slot) -> None:
+        seg = self._segs[handle.seg]
+        seg.free_count += 1
+        self._free[seg.cls].append((handle.seg, handle.offset))
+        self._frees += 1
+        self.cond.notify_all()
+
+    def release(self, handle: Handle, borrower: Hashable, count: int = 1) -> bool:
+        """Drop ``count`` references of ``borrower``; False (ignored) for stale/unknown ones."""
+        with self.cond:
+            if self._deferred:
+                self._apply_deferred()
+            return self._release_locked(handle, borrower, count)
+
+    def _release_locked(self, handle: Handle, borrower: Hashable, count: int) -> bool:
+        slot = self._slot(handle)
+        if slot is None or borrower not in slot.refs:
+            return False
+        left = slot.refs[borrower] - count
+        if left > 0:
+            slot.refs[borrower] = left
+        else:
+            del slot.refs[borrower]
+            if not slot.refs:
+                self._free_slot(handle, slot)
+        return True
+
+    def release_many(self, handles, borrower: Hashable) -> None:
+        for h in handles:
+            self.release(h, borrower)
+
+    def release_all(self, borrower: Hashable) -> int:
+        """Drop every reference ``borrower`` holds (a dead worker, a finished shared tree)."""
+        n = 0
+        with self.cond:
+            for key, slot in self._slots.items():
+                c = slot.refs.pop(borrower, 0)
+                if c:
+                    n += c
+                    if not slot.refs:
+                        self._free_slot(Handle(key[0], key[1], 0, slot.gen), slot)
+        return n
+
+    def acquire(self, handle: Handle, borrower: Hashable) -> bool:
+        """Add a reference for ``borrower`` to a live slot; False if the slot is not live."""
+        with self.cond:
+            slot = self._slot(handle)
+            if slot is None:
+                return False
+            slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+            return True
+
+    def transfer(self, handles, src: Hashable, dst: Hashable) -> None:
+        if not handles:
+            return
+        with self.cond:
+            for h in handles:
+                slot = self._slot(h)
+                if slot is None or src not in slot.refs:
+                    continue
+                slot.refs[src] -= 1
+                if not slot.refs[src]:
+                    del slot.refs[src]
+                slot.refs[dst] = slot.refs.get(dst, 0) + 1
+
+    def lend(self, handles, borrower: Hashable) -> None:
+        with self.cond:
+            for h in handles:
+                slot = self._slot(h)
+                if slot is not None:
+                    slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+
+    def view(self, handle: Handle) -> tuple[_Seg, int, int]:
+        seg = self._segs.get(handle.seg)
+        if seg is None:
+            raise ShmHandleError(f"segment {handle.seg} of {self.label} does not exist (freed or never made)")
+        return seg, handle.offset, handle.nbytes
+
+    def close(self) -> None:
+        """Close every fd and drop every mapping. Memory stays valid for arrays still aliasing it
+        (their mapping lives until they die); receivers keep theirs until they unmap."""
+        with self.cond:
+            self.closed = True
+            segs = list(self._segs.values())
+            self._segs.clear()
+            self._slots.clear()
+            self._free.clear()
+            self.mapped = 0
+            self.cond.notify_all()
+        for seg in segs:
+            close_quietly(seg)
+
+
+def close_quietly(seg) -> None:
+    if seg.fd is not None:
+        try:
+            os.close(seg.fd)
+        except OSError:
+            pass
+        seg.fd = None
+    mm = seg.mm
+    seg.mm = None
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            pass  # arrays still alias it: the mapping goes when they do
