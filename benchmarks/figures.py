@@ -164,6 +164,7 @@ def _pct(v: float) -> str:
 FORMATS: dict[str, Callable[[float], str]] = {
     "x": _x, "s": _s, "ms": _ms, "steps": _steps, "gbps": _gbps, "pct": _pct,
     "x2": lambda v: f"{v:.2f}x", "n": lambda v: f"{v:,.0f}", "raw": str,
+    "us": lambda v: f"{v * 1e6:.0f} us" if v >= 1e-5 else f"{v * 1e6:.1f} us",
 }
 
 
@@ -238,7 +239,7 @@ def _pool() -> None:
                                                   transport="jaxtransport.Pool")
             FIGURES[f"pool.{q}.{tag}.memcpy"] = F("pool", "vs_memcpy", "x", name=name, size=size,
                                                    transport="jaxtransport.Pool")
-    for q, name in (("map", "tiny_map"), ("apply", "tiny_apply"), ("beside", "beside_long")):
+    for q, name in (("beside", "beside_long"),):
         FIGURES[f"pool.{q}.mp.s"] = F("pool", "seconds", "s", name=name, transport="multiprocessing.Pool")
         FIGURES[f"pool.{q}.jt.s"] = F("pool", "seconds", "s", name=name, transport="jaxtransport.Pool")
         FIGURES[f"pool.{q}.ratio"] = F("pool", "ratio", "x", name=name, transport="jaxtransport.Pool")
@@ -364,11 +365,80 @@ def _others() -> None:
                     "revisions", "vs_memcpy", "x2", name=q, size=size, transport=f"jaxtransport.Pool @ {rev}")
 
 
+def _tasks() -> None:
+    # benchmarks/tasks.py: one small task sent one by one; per task seconds, ratio against the
+    # stock pool of the call (multiprocessing.Pool or concurrent.futures), and loky's row.
+    calls = (("apply", "Pool.apply_async"), ("map", "Pool.map(chunksize=1)"), ("imap", "Pool.imap(chunksize=1)"),
+             ("submit", "Executor.submit"), ("exmap", "Executor.map"))
+    for q, label in calls:
+        stock = "multiprocessing.Pool" if label.startswith("Pool") else "concurrent.futures"
+        jt = "jaxtransport.Pool" if label.startswith("Pool") else "jaxtransport.Executor"
+        for task, ttag in (("0 s", "0"), ("100 us", "100us"), ("1 ms", "1ms")):
+            for w in (2, 8, 16):
+                name = f"{label}, {task} tasks"
+                key = f"tasks.{q}.{ttag}.{w}"
+                FIGURES[f"{key}.mp.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=stock)
+                FIGURES[f"{key}.jt.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=jt)
+                FIGURES[f"{key}.ratio"] = F("tasks", "ratio", "x2", name=name, workers=w, transport=jt)
+                if not label.startswith("Pool"):
+                    FIGURES[f"{key}.loky.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport="loky")
+                    FIGURES[f"{key}.vs_loky"] = Derived((f"{key}.loky.us", f"{key}.jt.us"), lambda a, b: a / b, "x2")
+
+
+def _joblib() -> None:
+    # benchmarks/joblib.py: joblib.Parallel on the jaxtransport backend against loky (and the
+    # backend against jaxtransport.Pool.map); cache keys against joblib.hash of numpy.
+    for q, prefix in (("args", "8 jax.Array arguments of "), ("results", "8 jax.Array results of "),
+                      ("numpy", "8 numpy arguments of ")):
+        FIGURES[f"joblib.{q}.loky.s"] = F("joblib", "seconds", "s", name=f"{prefix}64 MiB", transport="loky")
+        FIGURES[f"joblib.{q}.jt.s"] = F("joblib", "seconds", "s", name=f"{prefix}64 MiB",
+                                        transport="jaxtransport backend")
+        FIGURES[f"joblib.{q}.ratio"] = F("joblib", "ratio", "x2", name=f"{prefix}64 MiB",
+                                         transport="jaxtransport backend")
+    FIGURES["joblib.tiny.loky.s"] = F("joblib", "seconds", "s", name="10,000 tiny tasks", transport="loky")
+    FIGURES["joblib.tiny.jt.s"] = F("joblib", "seconds", "s", name="10,000 tiny tasks",
+                                    transport="jaxtransport backend")
+    FIGURES["joblib.tiny.ratio"] = F("joblib", "ratio", "x2", name="10,000 tiny tasks",
+                                     transport="jaxtransport backend")
+    FIGURES["joblib.vs_pool.pool.s"] = F("joblib", "seconds", "s", name="backend vs Pool.map, 8 x 64 MiB",
+                                         transport="jaxtransport.Pool.map")
+    FIGURES["joblib.vs_pool.jt.s"] = F("joblib", "seconds", "s", name="backend vs Pool.map, 8 x 64 MiB",
+                                       transport="jaxtransport backend")
+    FIGURES["joblib.vs_pool.ratio"] = F("joblib", "ratio", "x2", name="backend vs Pool.map, 8 x 64 MiB",
+                                        transport="jaxtransport backend")
+    FIGURES["joblib.hash.np.s"] = F("joblib", "seconds", "s", name="hash a 1024 MiB array",
+                                    transport="joblib.hash (numpy)")
+    FIGURES["joblib.hash.jt.s"] = F("joblib", "seconds", "s", name="hash a 1024 MiB array",
+                                    transport="jaxtransport.joblib.hash (jax.Array)")
+    FIGURES["joblib.hash.ratio"] = F("joblib", "ratio", "x2", name="hash a 1024 MiB array",
+                                     transport="jaxtransport.joblib.hash (jax.Array)")
+
+
+def _platforms() -> None:
+    # benchmarks/platforms.py: each platform mode in its own interpreter, one run.
+    for m, tag in (("auto", "memfd"), ("portable", "portable")):
+        FIGURES[f"platforms.steady.{tag}.ms"] = F("platforms", "seconds", "ms", name="steady_64MiB_arg_result",
+                                                  transport=m)
+        FIGURES[f"platforms.first.{tag}.s"] = F("platforms", "seconds", "s", name="first_transfer", transport=m)
+        FIGURES[f"platforms.first.{tag}.gbps"] = F("platforms", "gbps", "gbps", name="first_transfer", transport=m)
+    FIGURES["platforms.steady.portable.slower"] = Derived(
+        ("platforms.steady.portable.ms", "platforms.steady.memfd.ms"), lambda a, b: a / b, "x2")
+    for q, row in (("arg64m", "arg_64MiB"), ("tiny_map", "tiny_map")):
+        FIGURES[f"platforms.{q}.inband.ms"] = F("platforms", "seconds", "ms", name=f"inband_{row}", transport="inband")
+        FIGURES[f"platforms.{q}.mp.ms"] = F("platforms", "seconds", "ms", name=f"inband_{row}",
+                                            transport="multiprocessing.Pool")
+        FIGURES[f"platforms.{q}.ratio"] = F("platforms", "ratio", "x2", name=f"inband_{row}", transport="inband")
+    FIGURES["platforms.tiny_map.tasks"] = F("platforms", "tasks", "n", name="inband_tiny_map", transport="inband")
+
+
 _pool()
 _codec()
 _first_call()
 _startup()
 _others()
+_tasks()
+_joblib()
+_platforms()
 
 
 def value_text(key: str, results: str = RESULTS) -> str:
@@ -467,6 +537,9 @@ def render_table(name: str, results: str = RESULTS) -> str:
     for row in TABLES[name]:
         used: list[str] = []
         cells = [_fill(c, results, used) for c in (row.question, row.stock, row.jaxtransport, row.speedup)]
+        left = [m.group(0) for c in cells for m in re.finditer(r"\{[^{}]*\}", c)]
+        if left:  # a placeholder whose key is not [a-z0-9_.]+ would be printed as it is
+            raise FigureError(f"table {name!r}: placeholders not filled: {left} (keys are [a-z0-9_.]+)")
         source = _source_cell(used, results)
         for key in used:
             files.extend(f for f in FIGURES[key].files() if f not in files)
@@ -488,8 +561,9 @@ README_ROWS = [
         "{pool.arg.1g.mp.s} / {pool.res.1g.mp.s} (`multiprocessing.Pool`)",
         "{pool.arg.1g.jt.s} / {pool.res.1g.jt.s} ({pool.arg.1g.memcpy} / {pool.res.1g.memcpy} a warm memcpy)",
         "{pool.arg.1g.ratio} / {pool.res.1g.ratio}"),
-    Row("Pool, 10,000 tiny tasks, `apply_async` one by one", "{pool.apply.mp.s} (`multiprocessing.Pool`)",
-        "{pool.apply.jt.s}", "{pool.apply.ratio}"),
+    Row("Tiny tasks sent one by one, 2 workers, per task: `Pool.apply_async` / `Executor.submit`",
+        "{tasks.apply.0.2.mp.us} (`multiprocessing.Pool`) / {tasks.submit.0.2.mp.us} (`concurrent.futures`)",
+        "{tasks.apply.0.2.jt.us} / {tasks.submit.0.2.jt.us}", "{tasks.apply.0.2.ratio} / {tasks.submit.0.2.ratio}"),
     Row("Pool start-up to the first result, task importing JAX", "{startup.startup_jax.mp.s}",
         "{startup.startup_jax.jt.s}", "{startup.startup_jax.jt.slower} the time (slower)"),
     Row("`jaxtransport.multiprocessing.Queue`, steady state: 64 MiB / 1 GiB jax.Array",
@@ -544,8 +618,22 @@ BENCHMARKS_ROWS = [
     Row("Pool, a 256 MiB argument sent 2 s after start-up: with the JAX preload / without / once warm", "",
         "{startup.first_jax_argument_2s.jt.s} / {startup.first_jax_argument_2s.nopreload.s} / "
         "{startup.first_jax_argument_2s.steady.s}", ""),
-    Row("Pool: 10,000 tiny tasks, `map` / `apply_async`", "{pool.map.mp.s} / {pool.apply.mp.s}",
-        "{pool.map.jt.s} / {pool.apply.jt.s}", "{pool.map.ratio} / {pool.apply.ratio}"),
+    Row("Tiny (0 s) tasks one by one, 2 workers, per task: `Pool.apply_async` / `map(chunksize=1)` / "
+        "`imap(chunksize=1)`",
+        "{tasks.apply.0.2.mp.us} / {tasks.map.0.2.mp.us} / {tasks.imap.0.2.mp.us} (`multiprocessing.Pool`)",
+        "{tasks.apply.0.2.jt.us} / {tasks.map.0.2.jt.us} / {tasks.imap.0.2.jt.us}",
+        "{tasks.apply.0.2.ratio} / {tasks.map.0.2.ratio} / {tasks.imap.0.2.ratio}"),
+    Row("Tiny (0 s) tasks one by one, 16 workers, per task: `Pool.apply_async` / `map(chunksize=1)` / "
+        "`imap(chunksize=1)`",
+        "{tasks.apply.0.16.mp.us} / {tasks.map.0.16.mp.us} / {tasks.imap.0.16.mp.us} (`multiprocessing.Pool`)",
+        "{tasks.apply.0.16.jt.us} / {tasks.map.0.16.jt.us} / {tasks.imap.0.16.jt.us}",
+        "{tasks.apply.0.16.ratio} / {tasks.map.0.16.ratio} / {tasks.imap.0.16.ratio}"),
+    Row("Executor, tiny (0 s) tasks, 2 workers, per task: `submit` / `map`",
+        "{tasks.submit.0.2.mp.us} / {tasks.exmap.0.2.mp.us} (`concurrent.futures`); loky: "
+        "{tasks.submit.0.2.loky.us} / {tasks.exmap.0.2.loky.us}",
+        "{tasks.submit.0.2.jt.us} / {tasks.exmap.0.2.jt.us}",
+        "{tasks.submit.0.2.ratio} / {tasks.exmap.0.2.ratio}; against loky {tasks.submit.0.2.vs_loky} / "
+        "{tasks.exmap.0.2.vs_loky}"),
     Row("Pool: 20 quick tasks beside one long task", "{pool.beside.mp.s}", "{pool.beside.jt.s}",
         "{pool.beside.ratio}"),
     Row("Pool: `share()` + one task per worker, 4 workers against 1 (2 cores)", "",
@@ -580,6 +668,24 @@ BENCHMARKS_ROWS = [
         "threads: {atari.2.threads.steps} env steps/s; stock `multiprocessing.Queue`: {atari.2.queue_stock.steps}",
         "queue: {atari.2.queue_jt.steps}; Pool: {atari.2.pool_jt.steps}; Ray: {atari.2.ray_jt.steps}",
         "{atari.2.queue_jt.ratio} threads, {atari.2.queue_jt.vs_stock} stock"),
+    Row("joblib.Parallel(n_jobs=2), 8 jax.Array arguments / results of 64 MiB (results: compute included)",
+        "loky: {joblib.args.loky.s} / {joblib.results.loky.s}", "{joblib.args.jt.s} / {joblib.results.jt.s}",
+        "{joblib.args.ratio} / {joblib.results.ratio}"),
+    Row("joblib.Parallel(n_jobs=2), 8 numpy arguments of 64 MiB / 10,000 tiny tasks",
+        "loky (memory-mapped): {joblib.numpy.loky.s} / {joblib.tiny.loky.s}",
+        "{joblib.numpy.jt.s} / {joblib.tiny.jt.s}", "{joblib.numpy.ratio} / {joblib.tiny.ratio}"),
+    Row("the joblib backend against `jt.Pool.map`, 8 jax.Array arguments of 64 MiB",
+        "`jt.Pool.map`: {joblib.vs_pool.pool.s}", "{joblib.vs_pool.jt.s}", "{joblib.vs_pool.ratio}"),
+    Row("cache key of a 1 GiB array: `jaxtransport.joblib.hash` (jax.Array) against `joblib.hash` (numpy)",
+        "{joblib.hash.np.s}", "{joblib.hash.jt.s}", "{joblib.hash.ratio}"),
+    Row("platforms: steady 64 MiB argument + result, `jt.Pool(1)`, memfd (Linux) / portable (the macOS path)",
+        "", "{platforms.steady.memfd.ms} / {platforms.steady.portable.ms}",
+        "portable takes {platforms.steady.portable.slower} memfd's time"),
+    Row("platforms: in-band (the Windows path) against `multiprocessing.Pool`: 64 MiB argument / "
+        "{platforms.tiny_map.tasks} tiny tasks (`map`)",
+        "{platforms.arg64m.mp.ms} / {platforms.tiny_map.mp.ms}",
+        "{platforms.arg64m.inband.ms} / {platforms.tiny_map.inband.ms}",
+        "{platforms.arg64m.ratio} / {platforms.tiny_map.ratio}"),
 ]
 
 #: name -> rows: ``<!-- figures:NAME begin -->`` ... ``<!-- figures:NAME end -->`` in a page.
@@ -637,6 +743,10 @@ def untraced(text: str) -> list[str]:
 
     text = _BLOCK.sub(blank, text)
     text = _INLINE.sub(blank, text)
+    for m in re.finditer(r"<!--/?fig\b[^>]*-->", text):  # a marker the renderer cannot read (a key
+        line = text.count("\n", 0, m.start()) + 1  # not in [a-z0-9_.], an unpaired end) stays stale
+        out.append(f"line {line}: {m.group(0)!r} is not a figure the renderer reads (keys are [a-z0-9_.]+, "
+                   "each <!--fig KEY--> closed by <!--/fig-->)")
     text = _CODE.sub(blank, text)
     for m in _MEASURED.finditer(text):
         line = text.count("\n", 0, m.start()) + 1

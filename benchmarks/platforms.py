@@ -116,19 +116,38 @@ def _fmt(ts) -> str:
     return f"{_median(ts) * 1e3:8.1f} ms (min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
 
 
+def _row(name: str, size: int, transport: str, ts: list, base: list, baseline: str) -> dict:
+    """One row: the median of ``ts``, its spread, and ``ratio`` = the baseline's median / this one's."""
+    med = _median(ts)
+    return _common.row(
+        name,
+        size,
+        transport,
+        med,
+        ratio=_median(base) / med,
+        min_s=min(ts),
+        max_s=max(ts),
+        reps=len(ts),
+        baseline=baseline,
+    )
+
+
 def run(quick: bool = False) -> list[dict]:
     rows: list[dict] = []
     steady = {m: _run_child(m, "steady", quick) for m in ("auto", "portable")}
+    base = steady["auto"]["steady_64MiB_arg_result"]
     for m, r in steady.items():
         print(f"steady 64 MiB arg+result  {m:9s} {_fmt(r['steady_64MiB_arg_result'])}  {r['describe']}")
-        rows.append(_common.row("steady_64MiB_arg_result", 64 * MIB, m, _median(r["steady_64MiB_arg_result"])))
-    ratio = _median(steady["portable"]["steady_64MiB_arg_result"]) / _median(steady["auto"]["steady_64MiB_arg_result"])
+        rows.append(_row("steady_64MiB_arg_result", 64 * MIB, m, r["steady_64MiB_arg_result"], base, "auto"))
+    ratio = _median(steady["portable"]["steady_64MiB_arg_result"]) / _median(base)
     print(f"  portable / memfd: {ratio:.2f}x (target <= 1.3x)")
-    for m in ("auto", "portable"):
-        r = _run_child(m, "first", quick)
+    first = {m: _run_child(m, "first", quick) for m in ("auto", "portable")}
+    for m, r in first.items():
         gbps = r["first_bytes"] / r["first_transfer"][0] / 1e9
         print(f"first {r['first_bytes'] >> 20} MiB transfer  {m:9s} {_fmt(r['first_transfer'])}  {gbps:.2f} GB/s")
-        rows.append(_common.row("first_transfer", r["first_bytes"], m, r["first_transfer"][0]))
+        rows.append(
+            _row("first_transfer", r["first_bytes"], m, r["first_transfer"], first["auto"]["first_transfer"], "auto")
+        )
     r = _run_child("inband", "inband", quick)
     print(f"in-band: {r['describe']}")
     for name in ("arg_64MiB", "tiny_map"):
@@ -137,9 +156,26 @@ def run(quick: bool = False) -> list[dict]:
             f"{name:10s} in-band jaxtransport {_fmt(j)}  multiprocessing.Pool {_fmt(m)}  "
             f"ratio {_median(m) / _median(j):.2f}x (target >= 1.0x)"
         )
-        rows.append(_common.row(f"inband_{name}", 64 * MIB if "64" in name else 0, "inband", _median(j)))
-        rows.append(_common.row(f"inband_{name}", 64 * MIB if "64" in name else 0, "multiprocessing.Pool", _median(m)))
+        size = 64 * MIB if "64" in name else 0
+        extra = {} if size else {"tasks": r["tiny_tasks"]}
+        rows.append(dict(_row(f"inband_{name}", size, "inband", j, m, "multiprocessing.Pool"), **extra))
+        rows.append(dict(_row(f"inband_{name}", size, "multiprocessing.Pool", m, m, "multiprocessing.Pool"), **extra))
     return rows
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    """Issue 28's targets: portable within 1.3x of memfd at steady state; in-band at least stock's speed."""
+    out = []
+    for r in rows:
+        if r["name"] == "steady_64MiB_arg_result" and r["transport"] == "portable":
+            ok = r["ratio"] >= 1 / 1.3
+            out.append(
+                f"{'PASS' if ok else 'MISS'} portable steady 64 MiB: {1 / r['ratio']:.2f}x memfd's time (<= 1.3x)"
+            )
+        if r["name"].startswith("inband_") and r["transport"] == "inband":
+            ok = r["ratio"] >= 1.0
+            out.append(f"{'PASS' if ok else 'MISS'} {r['name']}: {r['ratio']:.2f}x multiprocessing.Pool (>= 1.0x)")
+    return out
 
 
 def main(argv=None) -> None:

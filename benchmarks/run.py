@@ -59,6 +59,7 @@ BENCHMARKS = (
     ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("queue", "benchmarks.queue"),
     ("joblib", "benchmarks.joblib"),
+    ("platforms", "benchmarks.platforms"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")

@@ -84,6 +84,14 @@ def test_an_inline_figure_never_starts_a_line():
     assert len(found) == 1 and "starts with an inline figure" in found[0]
 
 
+def test_a_figure_marker_the_renderer_cannot_read_is_found():
+    """A key outside [a-z0-9_.] (an upper-case letter) would never be rendered: the page would keep
+    whatever text it has, unchecked."""
+    found = figures.untraced("a <!--fig platforms.arg_64MiB.ratio-->2x<!--/fig--> b\n")
+    assert any("not a figure the renderer reads" in f and "arg_64MiB" in f for f in found), found
+    assert not figures.untraced("a <!--fig pool.arg.1g.ratio-->51x (pool, 2026-12-03)<!--/fig--> b\n")
+
+
 def test_a_missing_row_or_figure_is_an_error_that_names_it():
     with pytest.raises(figures.FigureError, match="no figure named"):
         figures.render_text("<!--fig no.such.figure-->1x<!--/fig-->")
