@@ -74,7 +74,7 @@ def run(quick: bool = False) -> list[dict]:
         for transport, ts in runs.items():
             med = statistics.median(ts)
             rows.append(_common.row(name, nbytes, transport, med, ratio=base / med, min_s=min(ts), max_s=max(ts),
-                                    baseline=baseline))
+                                    reps=len(ts), baseline=baseline))
             print(f"{name:34s} {transport:26s} {med:9.4f} s (min {min(ts):.4f}, max {max(ts):.4f})  "
                   f"{base / med:6.2f}x {baseline}", flush=True)
 
