@@ -318,6 +318,8 @@ def _others() -> None:
                                                transport="jaxtransport.multiprocessing")
             FIGURES[f"{q}.{tag}.memcpy"] = F("queue", "vs_memcpy", "x", name=q, size=size,
                                              transport="jaxtransport.multiprocessing")
+    FIGURES["queue.64m.torch.version"] = F("queue", "torch_version", "raw", name="queue", size=64 * MiB,
+                                           transport="torch.multiprocessing")
     FIGURES["queue.64m.jt.gbps"] = F("queue", "gbps", "gbps", name="queue", size=64 * MiB,
                                      transport="jaxtransport.multiprocessing")
     FIGURES["queue.64m.mp.gbps"] = F("queue", "gbps", "gbps", name="queue", size=64 * MiB,
@@ -431,6 +433,20 @@ def _platforms() -> None:
     FIGURES["platforms.tiny_map.tasks"] = F("platforms", "tasks", "n", name="inband_tiny_map", transport="inband")
 
 
+def _previous() -> None:
+    # The run before the last re-measurement (results/previous/NAME.json, kept as published then):
+    # "prev." + the key of the same figure in the current files, for the re-measure table.
+    for key, fig in list(FIGURES.items()):
+        if isinstance(fig, Fig) and fig.file in PREVIOUS and fig.field != "torch_version":  # not kept then
+            FIGURES[f"prev.{key}"] = dataclasses.replace(fig, file=f"previous/{fig.file}")
+    for key, fig in list(FIGURES.items()):
+        if isinstance(fig, Derived) and all(f"prev.{p}" in FIGURES for p in fig.parts):
+            FIGURES[f"prev.{key}"] = dataclasses.replace(fig, parts=tuple(f"prev.{p}" for p in fig.parts))
+
+
+#: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
+PREVIOUS = ("pool", "executor", "queue", "rollouts_atari")
+
 _pool()
 _codec()
 _first_call()
@@ -439,6 +455,7 @@ _others()
 _tasks()
 _joblib()
 _platforms()
+_previous()
 
 
 def value_text(key: str, results: str = RESULTS) -> str:
@@ -531,8 +548,14 @@ HEADER = ("| question | stock | jaxtransport | speedup | source: results file, d
           "runs and spread ((max - min) / median of the runs; of the per-round speedups where only those were kept) |")
 
 
+#: Tables whose columns are not stock / jaxtransport / speedup.
+HEADERS = {
+    "remeasure": "| figure | previous run | this run | what changed | source: results files, dates, runs and spread |",
+}
+
+
 def render_table(name: str, results: str = RESULTS) -> str:
-    lines = [HEADER, "|---|---|---|---|---|"]
+    lines = [HEADERS.get(name, HEADER), "|---|---|---|---|---|"]
     files: list[str] = []
     for row in TABLES[name]:
         used: list[str] = []
@@ -689,7 +712,46 @@ BENCHMARKS_ROWS = [
 ]
 
 #: name -> rows: ``<!-- figures:NAME begin -->`` ... ``<!-- figures:NAME end -->`` in a page.
-TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "benchmarks": BENCHMARKS_ROWS}
+QUIET = "this run on a quiet machine: the stock transport gained less than jaxtransport"
+NOISE = "within the runs' spread"
+REMEASURE_ROWS = [
+    Row("Pool, 64 MiB argument / result, speedup over `multiprocessing.Pool`",
+        "{prev.pool.arg.64m.ratio} / {prev.pool.res.64m.ratio}", "{pool.arg.64m.ratio} / {pool.res.64m.ratio}",
+        "faster: " + QUIET),
+    Row("Pool, 1 GiB argument / result, speedup over `multiprocessing.Pool`",
+        "{prev.pool.arg.1g.ratio} / {prev.pool.res.1g.ratio}", "{pool.arg.1g.ratio} / {pool.res.1g.ratio}",
+        "faster: " + QUIET),
+    Row("Pool, steady 64 MiB argument / result, against a warm memcpy (lower is better)",
+        "{prev.pool.steady_arg.64m.memcpy} / {prev.pool.steady_res.64m.memcpy}",
+        "{pool.steady_arg.64m.memcpy} / {pool.steady_res.64m.memcpy}", "the same: " + NOISE),
+    Row("Pool, 1 KiB / 256 KiB argument, speedup over `multiprocessing.Pool`",
+        "{prev.pool.arg.1k.ratio} / {prev.pool.arg.256k.ratio}", "{pool.arg.1k.ratio} / {pool.arg.256k.ratio}",
+        "under the shared-memory threshold both pickle inline: " + NOISE),
+    Row("Pool, 20 quick tasks beside a long one, speedup", "{prev.pool.beside.ratio}", "{pool.beside.ratio}",
+        "the same: " + NOISE),
+    Row("Executor against Pool: 64 / 256 MiB round trip; tiny task",
+        "{prev.executor.64m.ratio} / {prev.executor.256m.ratio}; {prev.executor.tiny.ratio}",
+        "{executor.64m.ratio} / {executor.256m.ratio}; {executor.tiny.ratio}", "the same: " + NOISE),
+    Row("Queue, 64 MiB / 1 GiB, speedup over `multiprocessing.Queue`; over `torch.multiprocessing`",
+        "{prev.queue.64m.ratio} / {prev.queue.1g.ratio}; {prev.queue.64m.vs_torch} / {prev.queue.1g.vs_torch}",
+        "{queue.64m.ratio} / {queue.1g.ratio}; {queue.64m.vs_torch} / {queue.1g.vs_torch}",
+        "faster against stock: " + QUIET + "; against torch, higher because torch.multiprocessing itself "
+        "ran slower (this run: torch {queue.64m.torch.version}, PyPI's CUDA build, installed for it; the "
+        "previous run's torch version was not recorded) and its runs spread widely"),
+    Row("Pipe, 64 MiB / 1 GiB, speedup over the stock `Pipe`",
+        "{prev.pipe.64m.ratio} / {prev.pipe.1g.ratio}", "{pipe.64m.ratio} / {pipe.1g.ratio}", "faster: " + QUIET),
+    Row("Atari Pong, 2 actors, streaming queue: against threads / against stock multiprocessing",
+        "{prev.atari.2.queue_jt.ratio} / {prev.atari.2.queue_jt.vs_stock}",
+        "{atari.2.queue_jt.ratio} / {atari.2.queue_jt.vs_stock}",
+        "against threads, higher: the previous run shared the cores with other jobs (load "
+        "{prev.atari.2.queue_jt.load} against {atari.2.queue_jt.load}), which time-slices threads and "
+        "processes alike; against stock, the same"),
+    Row("Atari Pong, 2 actors, env steps/s: threads / streaming queue",
+        "{prev.atari.2.threads.steps} / {prev.atari.2.queue_jt.steps}",
+        "{atari.2.threads.steps} / {atari.2.queue_jt.steps}", "higher for every design: a quiet machine"),
+]
+
+TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "benchmarks": BENCHMARKS_ROWS, "remeasure": REMEASURE_ROWS}
 
 
 # ------------------------------------------------------------------------------------------

@@ -230,6 +230,10 @@ def run(quick: bool = False, max_bytes: int | None = None, torch: bool = True) -
             tsec = seconds.get((TORCH, r["size_bytes"]))
             if tsec and r["transport"] == JT:
                 r["vs_torch"] = tsec / r["seconds"]
+            if r["transport"] == TORCH:  # the baseline's own version moves its figures (CPU or CUDA build)
+                import torch as th
+
+                r["torch_version"] = th.__version__
     memcpy = {n: _memcpy(n) for n in sizes}
     for r in rows:
         r["vs_memcpy"] = r["seconds"] / memcpy[r["size_bytes"]]
