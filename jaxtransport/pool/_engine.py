@@ -262,11 +262,11 @@ class Engine:
                     self.imap_waiting -= 1
         raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
 
-    def imap_progress(self) -> None:
-        """A chunk finished or an imap result was consumed: wake a waiting feeder once enough
+    def imap_progress(self, chunks: int = 1) -> None:
+        """``chunks`` finished or an imap result was consumed: wake a waiting feeder once enough
         did (a hint read without a lock; the feeder also looks again on its own)."""
         if self.imap_waiting:
-            self.imap_need -= 1
+            self.imap_need -= chunks
             if self.imap_need <= 0:
                 with self.space:
                     self.space.notify_all()
@@ -274,7 +274,7 @@ class Engine:
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
-    def prepare_chunks(self, fn, mode, parts: list, locates: list) -> list[_wire.Prepared]:
+    def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared]:
         """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
         return _wire.prepare_many(
             [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
@@ -325,11 +325,10 @@ class Engine:
                     if chunk.enc.handles:
                         self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
-            add = self.scheduler.add
             for chunk in chunks:
                 if chunk.trees:
                     self.trees.use(chunk.trees)
-                add(chunk)
+            self.scheduler.add_many(chunks)
             self.dispatch()
 
     def dispatch(self) -> None:
@@ -354,7 +353,7 @@ class Engine:
                 segs = None
             mapper = w.mapper
             releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
-            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, releases))
+            task = _protocol.task(chunk.chunk_id, enc.data, enc.entries, releases)
             if segs:
                 w.post(task, segs)
             else:
@@ -444,6 +443,34 @@ class Engine:
         finally:
             if self.imap_waiting:
                 self.imap_progress()
+
+    def finish_chunks(self, done: list) -> None:
+        """``finish_chunk`` of each ``(chunk, ok, value)`` of a run of results (the manager):
+        a result object's chunks in a row go to it in one call (``CallbackRunner.deliver_many``:
+        one acquisition of its lock, one wakeup of whoever waits on it)."""
+        with_trees = [chunk for chunk, _ok, _value in done if chunk.trees]
+        if with_trees:
+            with self.lock:
+                for chunk in with_trees:
+                    self.trees.done(chunk.trees)
+        deliver_many = self.callbacks.deliver_many
+        try:
+            current = None
+            run: list = []
+            for chunk, ok, value in done:
+                result, chunk.result = chunk.result, None
+                if result is None:
+                    continue
+                if result is not current:
+                    if run:
+                        deliver_many(current, run)
+                    current, run = result, []
+                run.append((chunk.index, ok, value))
+            if run:
+                deliver_many(current, run)
+        finally:
+            if self.imap_waiting:
+                self.imap_progress(len(done))
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
         if chunk.enc.handles:

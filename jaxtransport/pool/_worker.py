@@ -124,8 +124,12 @@ class _Worker:
 
     # -- sending
     def send(self, msg) -> None:
+        self.send_raw(self.protocol.dumps(msg))
+
+    def send_raw(self, raw) -> None:
+        """Send a message already in its wire form (``_protocol.dumps``)."""
         try:
-            self.write_frame(self.conn.fileno(), self.protocol.dumps(msg))
+            self.write_frame(self.conn.fileno(), raw)
         except (OSError, EOFError):
             self.parent_gone = True
             raise SystemExit(0) from None
@@ -395,7 +399,8 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
-        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+        releases = [tuple(h) for h in rel] if rel else []
+        self.send_raw(self.protocol.result(chunk_id, ok, data, entries, releases, unheld, seconds))
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
