@@ -42,7 +42,8 @@ Threads and what they own (parent process unless said):
   [started] in ``_worker``): no message per task for that.
 - the imap feeder (one per ``imap`` call): submits imap chunks, a batch at a time, while fewer
   than ``2 * processes + 2`` are in flight or finished and unconsumed (8 times as many once the
-  results show they need no shared memory: ``Engine.imap_window``); woken when chunks finish
+  results show they need no shared memory, 64 times when no argument needed any either:
+  ``Engine.imap_window``); woken when chunks finish
   or are consumed.
 - the Executor's dispatcher (``_executor``): moves queued calls to the pool in batches as room
   frees up (one lock acquisition and one write per worker for calls without shared memory);

@@ -35,6 +35,7 @@ from ._trees import TreeBook, TreeRec
 from ._worker import WorkerConfig
 
 IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
+IMAP_WIDER = 64  # ... when its arguments needed none either (nothing of it in shared memory)
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -231,16 +232,24 @@ class Engine:
         return rec
 
     # -- imap's backpressure (its feeder threads)
-    def imap_window(self, light_results: int) -> int:
+    def imap_window(self, light_results: int, light_args: bool = False) -> int:
         """How many of an imap's chunks may be in flight or finished and not consumed:
         ``2 * processes + 2``, and ``IMAP_WIDE`` times that once as many results in a row came
         back without shared memory (small results: piling them up costs only the parent's
         memory, as for multiprocessing.Pool, which does not bound imap at all; a deeper queue
-        keeps tiny tasks' workers busy). Never widened once a result used shared memory."""
+        keeps tiny tasks' workers busy), ``IMAP_WIDER`` times when no argument sent so far
+        needed shared memory either (``light_args``): the feeder is woken once half the window
+        is free, and the rest must keep the workers busy until it has run (a thread woken on a
+        busy machine may wait milliseconds for a core). Never widened once a result used
+        shared memory."""
         limit = 2 * self.processes + 2
-        return limit * IMAP_WIDE if light_results >= limit else limit
+        if light_results < limit:
+            return limit
+        return limit * (IMAP_WIDER if light_args else IMAP_WIDE)
 
-    def wait_for_imap_room(self, unconsumed: Callable[[], int], light_results: Callable[[], int]) -> int:
+    def wait_for_imap_room(
+        self, unconsumed: Callable[[], int], light_results: Callable[[], int], light_args: bool = False
+    ) -> int:
         """Wait until at least half of ``imap_window`` chunks may be sent: that many less are
         in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns how
         many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
@@ -248,7 +257,7 @@ class Engine:
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
         with self.space:
             while not self.flags.stopped:
-                limit = self.imap_window(light_results())
+                limit = self.imap_window(light_results(), light_args)
                 want = max(1, limit // 2)
                 busy = self.in_flight()
                 room = limit - busy - unconsumed()

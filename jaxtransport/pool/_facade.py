@@ -430,9 +430,10 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     backpressure on both the workers and the results), a batch per wait: the chunks that need
     no shared memory together (one lock acquisition and one write per worker)."""
     index = 0
+    light_args = True  # no argument needed shared memory so far (imap's window may widen more)
     try:
         while True:
-            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results)
+            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results, light_args)
             plain: list = []
             try:
                 for _ in range(room):
@@ -440,6 +441,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
                     if prep is None:
                         break
                     if prep.found or prep.trees:
+                        light_args = False
                         if plain:
                             batch, plain = plain, []
                             state.submit_plain(batch)
