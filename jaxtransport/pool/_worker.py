@@ -80,6 +80,9 @@ class WorkerConfig(NamedTuple):
 
 
 CURRENT = None  # the running worker (for introspection and tests)
+# Results of only these exact types pickle the same with any pickler (no reducer, no array,
+# no name to look up): encode_results pickles them in one call.
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 
 class _Worker:
@@ -348,11 +351,15 @@ class _Worker:
         # stopped worker); the worker holds it for a few stores. A worker the parent took
         # chunks from gets nothing new until it shows it runs again: a message, or [3]
         # reaching the last seq taken back (it read and skipped them).
-        with self.claim:
-            if seq <= cell[2]:
-                cell[3] = seq  # read and skipped: the parent sees this worker is back
+        claim, block = self.claim, cell.block  # the cells themselves (no call per access)
+        claim.acquire()
+        try:
+            if seq <= block[2]:
+                block[3] = seq  # read and skipped: the parent sees this worker is back
                 return False
-            cell[0], cell[1] = chunk_id, seq
+            block[0], block[1] = chunk_id, seq
+        finally:
+            claim.release()
         return True
 
     def run_chunk(self, msg) -> None:
@@ -406,6 +413,8 @@ class _Worker:
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
         do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
         or with the pickling error itself (an Executor's, as concurrent.futures)."""
+        if {type(r) for r in out} <= _SCALARS:  # a small task's: nothing to route or to look up
+            return True, pickle.dumps(out, protocol=self.protocol.PICKLE_PROTOCOL), [], ()
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
