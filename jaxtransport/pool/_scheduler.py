@@ -107,23 +107,28 @@ class Scheduler:
         count = len(workers)
         first = self.turn % count if count else 0
         self.turn += 1
+        # (No call per worker here: can_take() is asked of a candidate once it is picked, and
+        # prefetch_limit is inlined; a single apply_async runs this per call.)
         cands: list[list] = []
         tiny: list[list] = []
         for k in range(count):
             w = workers[(first + k) % count]
             q = w.outstanding
             pace = w.pace
-            if not q or pace is None or pace >= QUICK_S or now - q[0].began >= QUICK_S or not w.can_take():
+            if not q or pace is None or pace >= QUICK_S or now - q[0].began >= QUICK_S:
                 continue
             n = len(q)
-            limit = max(PREFETCH_TINY, prefetch_limit(pace)) if pace < TINY_TASK_S else 0
-            cand = [n, k, w, limit]
+            # prefetch_limit(pace), at least PREFETCH_TINY, for workers of tiny chunks
+            limit = (
+                min(PREFETCH_MAX, max(PREFETCH_TINY, int(PREFETCH_S / (pace if pace > 1e-6 else 1e-6))))
+                if pace < TINY_TASK_S
+                else 0
+            )
+            cand = [n, k, w, limit, False]  # [4]: can_take() was asked and said yes
             cands.append(cand)
             if n < limit:
                 tiny.append(cand)
-        if not cands:
-            return out
-        while pending:
+        while pending and cands:
             chunk = pending[0]
             if chunk.small and tiny:
                 cand = min(tiny)  # the fewest in flight, then the first in turn (k is unique)
@@ -133,6 +138,13 @@ class Scheduler:
                         break
                 else:
                     break
+            if not cand[4]:
+                if not cand[2].can_take():
+                    cands.remove(cand)
+                    if cand in tiny:
+                        tiny.remove(cand)
+                    continue
+                cand[4] = True
             pending.popleft()
             w = cand[2]
             chunk.began = now
