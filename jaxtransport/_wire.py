@@ -50,6 +50,7 @@ __all__ = [
     "decode",
     "function_blob",
     "loads",
+    "loads_each",
     "prepare",
     "prepare_many",
     "standalone",
@@ -346,7 +347,7 @@ def prepare(
 
 
 def prepare_many(
-    objs: list, *, threshold: int | None, tree_type: type | None = None, locates: list | None = None
+    objs: list, *, threshold: int | None, tree_type: type | None = None, locates: Any = None
 ) -> list[Prepared]:
     """``[prepare(obj, ...) for obj in objs]`` (``locates[i]`` for ``objs[i]``), with one
     pickler and the checks that do not depend on the object done once: a map's chunks."""
@@ -362,9 +363,12 @@ def prepare_many(
     tracer_error = _pickling.tracer_error_type()
     out = []
     outer = getattr(_encoding, "router", None)
+    router = _Router(limit, tree_type)
     try:
         for i, obj in enumerate(objs):
-            router = _encoding.router = _Router(limit, tree_type)
+            if router.found:  # one router serves every object until one sets something aside
+                router = _Router(limit, tree_type)
+            _encoding.router = router
             buf.seek(0)
             buf.truncate()
             p.clear_memo()
@@ -377,7 +381,8 @@ def prepare_many(
                 data = None
                 p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)  # a fresh one after a failure
                 p.dispatch_table = _fast_table(tree_type)
-            if data is None or _mentions_main(data):
+            # (a short pickle is searched in one go: _mentions_main is for long ones)
+            if data is None or (b"_main__" in data if len(data) < 4096 else _mentions_main(data)):
                 _encoding.router = outer
                 out.append(
                     prepare(
@@ -385,7 +390,10 @@ def prepare_many(
                     )
                 )
                 continue
-            out.append(Prepared(data, router.found, router.trees))
+            if router.found:
+                out.append(Prepared(data, router.found, router.trees))
+            else:  # lists of its own (the router's may yet be filled by the next object)
+                out.append(Prepared(data, [], []))
     finally:
         _encoding.router = outer
     return out
@@ -672,6 +680,29 @@ def loads(data: bytes, placement: str) -> Any:
     ``prepare`` made, or any other), its arrays placed under ``placement``. Raises what
     ``pickle.loads`` raises for bytes that are no pickle (``UnpicklingError``, ``EOFError``, ...)."""
     return _unpickle(data, placement, ())
+
+
+def loads_each(datas: list, placement: str) -> list[tuple[bool, Any]]:
+    """:func:`loads` of each of ``datas``: ``(True, the object)`` or ``(False, the exception
+    it raised)`` each, under one placement override (a run of results)."""
+    out: list[tuple[bool, Any]] = []
+    append = out.append
+    token = _pickling.override_placement(placement)
+    outer = getattr(_decoding, "resolved", None)
+    try:
+        _decoding.resolved = []  # no entries: an ``_entry(k)`` in one is a corrupt message
+        for data in datas:
+            try:
+                append((True, pickle.loads(data)))
+            except BaseException as e:  # noqa: BLE001 - that message's failure only
+                tb = e.__traceback__
+                # Without this frame (it refers to ``out``, which refers to ``e``: no cycle).
+                append((False, e.with_traceback(tb.tb_next if tb is not None else None)))
+                del tb
+    finally:
+        _decoding.resolved = outer
+        _pickling.restore_placement(token)
+    return out
 
 
 class _Standalone:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from types import SimpleNamespace
 
 from jaxtransport.pool._scheduler import QUICK_S, SMALL_MESSAGE, TINY_TASK_S, Chunk, Scheduler, prefetch_limit
@@ -135,3 +136,16 @@ def test_a_dead_workers_chunk_counts_as_running_only_once_started():
     w.started = 1  # ... or after it began chunk 1
     running, never = Scheduler.lost(w)
     assert running.chunk_id == 1 and [c.chunk_id for c in never] == [2]
+
+
+def test_a_busy_worker_that_may_take_nothing_more_gets_nothing_queued_behind_it():
+    s = Scheduler()
+    full = FakeWorker("full", pace=TINY_TASK_S / 10, can_take=False)  # e.g. leaving (maxtasksperchild)
+    fast = FakeWorker("fast", pace=TINY_TASK_S / 10)
+    full.outstanding.append(chunk(100))
+    fast.outstanding.append(chunk(101))
+    full.outstanding[0].began = fast.outstanding[0].began = time.monotonic()  # running, young
+    for i in range(4):
+        s.add(chunk(i))
+    assert names(s.assign([full, fast])) == [("fast", i) for i in range(4)]
+    assert [c.chunk_id for c in full.outstanding] == [100]

@@ -29,7 +29,9 @@ Threads and what they own (parent process unless said):
   Per batch of messages it does nothing per worker (the poll set is rebuilt only when the
   workers change, stalls are looked for every ``STALL_CHECK_S``): its cost per task does not
   grow with the number of workers; a run of results leaves the books under one acquisition
-  of the engine's lock, and one dispatch follows the batch.
+  of the engine's lock, its small results are unpickled together, each result object gets
+  its chunks of the run in one call (one acquisition of its lock, one wakeup of its waiter),
+  and one dispatch follows each round of reads (every worker whose pipe was ready).
   It never writes to a pipe and never runs user code, so no worker and no callback can stall it.
 - one sender thread per worker: the only thread that may block writing to that worker (a busy,
   slow or SIGSTOPped worker stalls only its own sender); ``Sender.post`` writes directly when
@@ -40,7 +42,8 @@ Threads and what they own (parent process unless said):
   [started] in ``_worker``): no message per task for that.
 - the imap feeder (one per ``imap`` call): submits imap chunks, a batch at a time, while fewer
   than ``2 * processes + 2`` are in flight or finished and unconsumed (8 times as many once the
-  results show they need no shared memory: ``Engine.imap_window``); woken when chunks finish
+  results show they need no shared memory, 64 times when no argument needed any either:
+  ``Engine.imap_window``); woken when chunks finish
   or are consumed.
 - the Executor's dispatcher (``_executor``): moves queued calls to the pool in batches as room
   frees up (one lock acquisition and one write per worker for calls without shared memory);

@@ -35,6 +35,7 @@ from ._trees import TreeBook, TreeRec
 from ._worker import WorkerConfig
 
 IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
+IMAP_WIDER = 64  # ... when its arguments needed none either (nothing of it in shared memory)
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -231,16 +232,24 @@ class Engine:
         return rec
 
     # -- imap's backpressure (its feeder threads)
-    def imap_window(self, light_results: int) -> int:
+    def imap_window(self, light_results: int, light_args: bool = False) -> int:
         """How many of an imap's chunks may be in flight or finished and not consumed:
         ``2 * processes + 2``, and ``IMAP_WIDE`` times that once as many results in a row came
         back without shared memory (small results: piling them up costs only the parent's
         memory, as for multiprocessing.Pool, which does not bound imap at all; a deeper queue
-        keeps tiny tasks' workers busy). Never widened once a result used shared memory."""
+        keeps tiny tasks' workers busy), ``IMAP_WIDER`` times when no argument sent so far
+        needed shared memory either (``light_args``): the feeder is woken once half the window
+        is free, and the rest must keep the workers busy until it has run (a thread woken on a
+        busy machine may wait milliseconds for a core). Never widened once a result used
+        shared memory."""
         limit = 2 * self.processes + 2
-        return limit * IMAP_WIDE if light_results >= limit else limit
+        if light_results < limit:
+            return limit
+        return limit * (IMAP_WIDER if light_args else IMAP_WIDE)
 
-    def wait_for_imap_room(self, unconsumed: Callable[[], int], light_results: Callable[[], int]) -> int:
+    def wait_for_imap_room(
+        self, unconsumed: Callable[[], int], light_results: Callable[[], int], light_args: bool = False
+    ) -> int:
         """Wait until at least half of ``imap_window`` chunks may be sent: that many less are
         in flight or finished and not consumed (``unconsumed()``: the iterator's). Returns how
         many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
@@ -248,7 +257,7 @@ class Engine:
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
         with self.space:
             while not self.flags.stopped:
-                limit = self.imap_window(light_results())
+                limit = self.imap_window(light_results(), light_args)
                 want = max(1, limit // 2)
                 busy = self.in_flight()
                 room = limit - busy - unconsumed()
@@ -262,11 +271,11 @@ class Engine:
                     self.imap_waiting -= 1
         raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
 
-    def imap_progress(self) -> None:
-        """A chunk finished or an imap result was consumed: wake a waiting feeder once enough
+    def imap_progress(self, chunks: int = 1) -> None:
+        """``chunks`` finished or an imap result was consumed: wake a waiting feeder once enough
         did (a hint read without a lock; the feeder also looks again on its own)."""
         if self.imap_waiting:
-            self.imap_need -= 1
+            self.imap_need -= chunks
             if self.imap_need <= 0:
                 with self.space:
                     self.space.notify_all()
@@ -274,7 +283,7 @@ class Engine:
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
-    def prepare_chunks(self, fn, mode, parts: list, locates: list) -> list[_wire.Prepared]:
+    def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared]:
         """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
         return _wire.prepare_many(
             [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
@@ -325,11 +334,10 @@ class Engine:
                     if chunk.enc.handles:
                         self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
-            add = self.scheduler.add
             for chunk in chunks:
                 if chunk.trees:
                     self.trees.use(chunk.trees)
-                add(chunk)
+            self.scheduler.add_many(chunks)
             self.dispatch()
 
     def dispatch(self) -> None:
@@ -354,7 +362,7 @@ class Engine:
                 segs = None
             mapper = w.mapper
             releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
-            task = _protocol.dumps(_protocol.Task(chunk.chunk_id, enc.data, enc.entries, releases))
+            task = _protocol.task(chunk.chunk_id, enc.data, enc.entries, releases)
             if segs:
                 w.post(task, segs)
             else:
@@ -444,6 +452,34 @@ class Engine:
         finally:
             if self.imap_waiting:
                 self.imap_progress()
+
+    def finish_chunks(self, done: list) -> None:
+        """``finish_chunk`` of each ``(chunk, ok, value)`` of a run of results (the manager):
+        a result object's chunks in a row go to it in one call (``CallbackRunner.deliver_many``:
+        one acquisition of its lock, one wakeup of whoever waits on it)."""
+        with_trees = [chunk for chunk, _ok, _value in done if chunk.trees]
+        if with_trees:
+            with self.lock:
+                for chunk in with_trees:
+                    self.trees.done(chunk.trees)
+        deliver_many = self.callbacks.deliver_many
+        try:
+            current = None
+            run: list = []
+            for chunk, ok, value in done:
+                result, chunk.result = chunk.result, None
+                if result is None:
+                    continue
+                if result is not current:
+                    if run:
+                        deliver_many(current, run)
+                    current, run = result, []
+                run.append((chunk.index, ok, value))
+            if run:
+                deliver_many(current, run)
+        finally:
+            if self.imap_waiting:
+                self.imap_progress(len(done))
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
         if chunk.enc.handles:

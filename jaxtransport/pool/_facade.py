@@ -279,11 +279,9 @@ class Pool:
         blob = state.function_blob(func) if len(items) > chunksize else func
         starts = range(0, len(items), chunksize)
         parts = [items[start : start + chunksize] for start in starts]
-        preps = state.prepare_chunks(
-            blob, mode, parts, [_locator(func, part, start) for part, start in zip(parts, starts)]
-        )
+        preps = state.prepare_chunks(blob, mode, parts, _Locators(func, parts, chunksize))
         result = MapResult(self, len(items), chunksize, callback, error_callback)
-        if not any(prep.found or prep.trees for prep in preps):
+        if not [prep for prep in preps if prep.found or prep.trees]:
             try:
                 state.submit_plain([(prep, result, i) for i, prep in enumerate(preps)])
             except BaseException as e:
@@ -338,8 +336,7 @@ class Pool:
             blob = state.function_blob(func) if len(iterable) > chunksize else func
             starts = range(0, len(iterable), chunksize)
             parts = [list(iterable[start : start + chunksize]) for start in starts]
-            locates = [_locator(func, part, start) for part, start in zip(parts, starts)]
-            source = iter(state.prepare_chunks(blob, "map", parts, locates))
+            source = iter(state.prepare_chunks(blob, "map", parts, _Locators(func, parts, chunksize)))
         else:
             source = _prepare_lazily(state, func, iter(iterable), chunksize)
         threading.Thread(
@@ -433,9 +430,10 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     backpressure on both the workers and the results), a batch per wait: the chunks that need
     no shared memory together (one lock acquisition and one write per worker)."""
     index = 0
+    light_args = True  # no argument needed shared memory so far (imap's window may widen more)
     try:
         while True:
-            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results)
+            room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results, light_args)
             plain: list = []
             try:
                 for _ in range(room):
@@ -443,6 +441,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
                     if prep is None:
                         break
                     if prep.found or prep.trees:
+                        light_args = False
                         if plain:
                             batch, plain = plain, []
                             state.submit_plain(batch)
@@ -464,6 +463,19 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
         it.chunk_done(index, False, e)
         index += 1
     it.set_length(index)
+
+
+class _Locators:
+    """``_locator`` of each part of a map, made when asked for (only a chunk that fails to
+    pickle by reference needs its own)."""
+
+    __slots__ = ("chunksize", "func", "parts")
+
+    def __init__(self, func: Callable, parts: list, chunksize: int):
+        self.func, self.parts, self.chunksize = func, parts, chunksize
+
+    def __getitem__(self, i: int) -> Callable[[], str | None]:
+        return _locator(self.func, self.parts[i], i * self.chunksize)
 
 
 def _locator(func: Callable, part: Any, start: int) -> Callable[[], str | None]:

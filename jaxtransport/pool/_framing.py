@@ -13,9 +13,9 @@ import os
 import socket
 import struct
 
-__all__ = ["IOV", "BufferedFrames", "advance", "frame_header", "pieces", "write_frame"]
+__all__ = ["HEADER", "IOV", "BufferedFrames", "advance", "frame_header", "pieces", "write_frame"]
 
-_HEADER = struct.Struct("!i")
+HEADER = struct.Struct("!i")  # a frame's length (-1: a long frame, its length follows)
 _HEADER_LONG = struct.Struct("!Q")
 
 
@@ -25,7 +25,7 @@ def frame_header(buf, pos: int) -> tuple[int, int] | None:
     other than the long-frame mark)."""
     if len(buf) - pos < 4:
         return None
-    (n,) = _HEADER.unpack_from(buf, pos)
+    (n,) = HEADER.unpack_from(buf, pos)
     if n == -1:
         if len(buf) - pos < 12:
             return None
@@ -34,7 +34,7 @@ def frame_header(buf, pos: int) -> tuple[int, int] | None:
 
 
 def _head(n: int) -> bytes:
-    return _HEADER.pack(-1) + _HEADER_LONG.pack(n) if n > 0x7FFFFFFF else _HEADER.pack(n)
+    return HEADER.pack(-1) + _HEADER_LONG.pack(n) if n > 0x7FFFFFFF else HEADER.pack(n)
 
 
 _JOIN_BELOW = 64 << 10  # messages smaller than this in all are joined into one buffer
@@ -45,14 +45,16 @@ def pieces(payloads: list) -> list:
     """Frames as buffers to write in order: each header, then its payload as it is (a large
     payload is not copied into a frame; ``sendmsg`` gathers them). A payload may itself be
     buffers (``_protocol.Pieces``): one frame."""
-    out = []
+    out: list = []
+    append, pack = out.append, HEADER.pack
     for p in payloads:
         if isinstance(p, tuple):
             out.append(_head(sum(map(len, p))))
             out.extend(p)
         else:
-            out.append(_head(len(p)))
-            out.append(p)
+            n = len(p)
+            append(pack(n) if n <= 0x7FFFFFFF else _head(n))
+            append(p)
     if sum(map(len, out)) < _JOIN_BELOW:
         return [b"".join(out)]
     return out
@@ -73,7 +75,14 @@ def advance(bufs: list, n: int) -> list:
 def write_frame(fd: int, payload) -> None:
     """Write one frame (a payload, or its buffers) to the blocking ``fd`` with gathering
     writes (the worker's results: no copy of a large payload into the frame)."""
-    left = pieces([payload])
+    if type(payload) is bytes and len(payload) < _JOIN_BELOW:  # the common small message
+        frame = HEADER.pack(len(payload)) + payload
+        n = os.write(fd, frame)
+        if n == len(frame):
+            return
+        left = [memoryview(frame)[n:]]
+    else:
+        left = pieces([payload])
     while left:  # EINTR is retried by Python itself (PEP 475)
         left = advance(left, os.writev(fd, left[:IOV]))
 

@@ -80,8 +80,9 @@ class Books(Protocol):
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to the workers that may take them."""
 
-    def finish_chunk(self, chunk: Chunk, ok: bool, value: Any) -> None:
-        """Complete a chunk's result (no lock held)."""
+    def finish_chunks(self, done: list) -> None:
+        """Complete the result of each ``(chunk, ok, value)``, a result object's chunks
+        together (no lock held)."""
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
         """Release a chunk's slots and fail its result (no lock held)."""
@@ -196,6 +197,10 @@ class Manager:
                 elif kind == "sentinel" and not w.dead:
                     self.read_from(w)
                     self.worker_exited(w)
+            if self.finished_any:  # once per round of events, not per worker or result
+                self.finished_any = False
+                with engine.lock:
+                    engine.dispatch()
             now = time.monotonic()
             if now - last_stall_check >= STALL_CHECK_S:  # a scan over the workers: not per message
                 last_stall_check = now
@@ -206,8 +211,9 @@ class Manager:
                 self.flush(roster)
 
     def read_from(self, w: WorkerRec) -> None:
+        """Handle what ``w`` sent; the loop dispatches once after a round of these (the
+        places that results freed, every worker's at once)."""
         frames, eof = w.reader.read()
-        self.finished_any = False
         if frames and w.held_back:
             self.engine.resume(w)
         msgs: list = []
@@ -228,9 +234,8 @@ class Manager:
                     j += 1
                 group = msgs[i:j]
                 with self.engine.lock:
-                    chunks = [self.engine.scheduler.finished(w, m.chunk_id) for m in group]
-                for m, chunk in zip(group, chunks):
-                    self.complete(w, m, chunk)
+                    chunks = self.engine.scheduler.finished_many(w, [m.chunk_id for m in group])
+                self.complete_many(w, group, chunks)
                 del group, chunks
                 i = j
             elif isinstance(msg, CorruptTransferError):
@@ -240,9 +245,6 @@ class Manager:
                 self.HANDLERS[type(msg)](self, w, msg)
                 i += 1
         del msgs
-        if self.finished_any:  # once per batch of messages, not per result
-            with self.engine.lock:
-                self.engine.dispatch()
         if eof and not w.dead:
             self.worker_exited(w)
 
@@ -284,23 +286,60 @@ class Manager:
     def complete(self, w: WorkerRec, msg: _protocol.Result, chunk: Chunk | None) -> None:
         """A result whose chunk (None: no longer in flight) left the books: decode it, release
         what it says, complete the chunk's result (no lock held)."""
+        self.complete_many(w, [msg], [chunk])
+
+    def complete_many(self, w: WorkerRec, msgs: list, chunks: list) -> None:
+        """``complete`` of each of a run of results from ``w`` (``chunks[i]``: the chunk of
+        ``msgs[i]``), their values delivered together: the results that are a pickle alone (a
+        small task's) are unpickled under one placement, and each result object gets its chunks
+        in one call (one lock acquisition, one wakeup of its waiter: ``Engine.finish_chunks``)."""
         engine = self.engine
-        w.pace = msg.seconds if w.pace is None else 0.7 * w.pace + 0.3 * msg.seconds
-        ok = msg.ok
-        unheld = msg.unheld
-        if ok:
+        pace = w.pace
+        for m in msgs:
+            pace = m.seconds if pace is None else 0.7 * pace + 0.3 * m.seconds
+        w.pace = pace
+        light = [m.data for m in msgs if m.ok and not m.entries]  # nothing in shared memory
+        loaded = iter(_wire.loads_each(light, engine.placement) if light else ())
+        done = []
+        for m, chunk in zip(msgs, chunks):
+            if m.ok and not m.entries:
+                ok, value = next(loaded)
+            else:
+                ok, value = self.decode(w, m)
+            if m.releases or m.unheld:
+                self.release_slots(w, m, chunk)
+            if chunk is not None:
+                note = getattr(chunk.result, "note_result", None)  # imap's window (IMapIterator)
+                if note is not None:
+                    note(bool(m.entries))
+                done.append((chunk, ok, value))
+            del value
+        del loaded
+        try:
+            engine.finish_chunks(done)
+        finally:
+            done.clear()  # no value outlives the call here (slots go back when their arrays die)
+        self.finished_any = True  # the loop dispatches what the freed places allow
+
+    def decode(self, w: WorkerRec, msg: _protocol.Result) -> tuple[bool, Any]:
+        """(ok, the value or the exception) of a result with shared-memory entries or an error."""
+        engine = self.engine
+        if msg.ok:
             try:
                 if msg.entries:
-                    value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
-                else:  # nothing in shared memory: the pickle alone
-                    value = _wire.loads(msg.data, engine.placement)
+                    return True, _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
+                return True, _wire.loads(msg.data, engine.placement)  # nothing in shared memory: the pickle alone
             except BaseException as e:  # noqa: BLE001 - this task's failure only
-                ok, value = False, e
-        else:
-            try:
-                value = rebuild_error(_protocol.ErrorReport.parse(msg.data))
-            except CorruptTransferError as e:
-                value = e
+                return False, e
+        try:
+            return False, rebuild_error(_protocol.ErrorReport.parse(msg.data))
+        except CorruptTransferError as e:
+            return False, e
+
+    def release_slots(self, w: WorkerRec, msg: _protocol.Result, chunk: Chunk | None) -> None:
+        """The slots a result says the worker dropped, and those of its chunk it never held."""
+        engine = self.engine
+        unheld = msg.unheld
         for h in msg.releases:
             engine.arena.release(h, w.key)
         if chunk is not None and unheld:  # the worker never held these arguments' slots
@@ -312,13 +351,6 @@ class Manager:
                 h = by_index.get(i)
                 if h is not None:
                     engine.arena.release(h, w.key)
-        if chunk is not None:
-            note = getattr(chunk.result, "note_result", None)  # imap's window (IMapIterator)
-            if note is not None:
-                note(bool(msg.entries))
-            engine.finish_chunk(chunk, ok, value)
-        del value
-        self.finished_any = True  # read_from dispatches what the worker's place allows
 
     def on_release(self, w: WorkerRec, msg: _protocol.Release) -> None:
         for h in msg.handles:

@@ -105,10 +105,18 @@ class Task(NamedTuple):
 
     @classmethod
     def check(cls, m):
-        _int(m.chunk_id, "chunk id"), _bytes(m.data, "task pickle"), _seq(m.entries, "entries")
-        if type(m.releases) is list and not m.releases:
+        chunk_id, data, entries, releases = m
+        # Inline for the common case (a call per field costs more than the task on the tiny-task
+        # path); the helpers name what is wrong.
+        if type(chunk_id) is not int:
+            _int(chunk_id, "chunk id")
+        if type(data) is not bytes:
+            _bytes(data, "task pickle")
+        if type(entries) is not list:
+            _seq(entries, "entries")
+        if type(releases) is list and not releases:
             return m  # the common case: nothing else to check
-        return m._replace(releases=parse_handles(m.releases))
+        return m._replace(releases=parse_handles(releases))
 
 
 class DefineTree(NamedTuple):
@@ -179,15 +187,18 @@ class Result(NamedTuple):
 
     @classmethod
     def check(cls, m):
-        _int(m.chunk_id, "chunk id")
-        if type(m.ok) is not bool:
+        chunk_id, ok, _data, entries, releases, unheld, seconds = m
+        if type(chunk_id) is not int:
+            _int(chunk_id, "chunk id")
+        if type(ok) is not bool:
             raise _bad("result.ok must be a bool")
-        if type(m.seconds) is not float:
+        if type(seconds) is not float:
             raise _bad("result.seconds must be a float")
-        _seq(m.entries, "entries")
-        if not m.releases and type(m.unheld) is list and not m.unheld:
+        if type(entries) is not list:
+            _seq(entries, "entries")
+        if not releases and type(unheld) is list and not unheld:
             return m  # the common case: nothing else to check
-        return m._replace(releases=parse_handles(m.releases), unheld=_ints(m.unheld, "unheld entries"))
+        return m._replace(releases=parse_handles(releases), unheld=_ints(unheld, "unheld entries"))
 
 
 class Leaving(NamedTuple):
@@ -251,6 +262,29 @@ def dumps(msg: Any) -> bytes | Pieces:
     return pickle.dumps((KIND_OF[type(msg)], *msg), protocol=PICKLE_PROTOCOL)
 
 
+_tuple_new = tuple.__new__
+_pickle_dumps = pickle.dumps
+_TASK = KIND_OF[Task]
+_RESULT = KIND_OF[Result]
+
+
+def task(chunk_id: int, data: Any, entries: list, releases: list) -> bytes | Pieces:
+    """``dumps(Task(chunk_id, data, entries, releases))``, without making the record (the
+    dispatch of each chunk)."""
+    if type(data) is bytes and len(data) < TRAIL_MIN:
+        return _pickle_dumps((_TASK, chunk_id, data, entries, releases), PICKLE_PROTOCOL)
+    return dumps(Task(chunk_id, data, entries, releases))
+
+
+def result(
+    chunk_id: int, ok: bool, data: Any, entries: list, releases: list, unheld: list, seconds: float
+) -> bytes | Pieces:
+    """``dumps(Result(...))``, without making the record (a worker's result of each chunk)."""
+    if type(data) is bytes and len(data) < TRAIL_MIN:
+        return _pickle_dumps((_RESULT, chunk_id, ok, data, entries, releases, unheld, seconds), PICKLE_PROTOCOL)
+    return dumps(Result(chunk_id, ok, data, entries, releases, unheld, seconds))
+
+
 def loads(raw: bytes, table: dict) -> tuple:
     """Read and validate one message of a kind in ``table`` (TO_WORKER or TO_PARENT).
 
@@ -267,7 +301,7 @@ def loads(raw: bytes, table: dict) -> tuple:
         raise _bad(f"unknown kind {msg[0]!r} (expected one of {sorted(table)})")
     if len(msg) - 1 != len(cls._fields):
         raise _bad(f"{msg[0]!r} needs {len(cls._fields)} fields, got {len(msg) - 1}")
-    rec = cls._make(msg[1:])
+    rec = _tuple_new(cls, msg[1:])  # cls._make without its length check (done above)
     if type(getattr(rec, "data", None)) is int:  # the bytes that end the frame
         n = rec.data
         if not 0 <= n <= len(raw):

@@ -60,6 +60,15 @@ class CallbackRunner:
                 self.thread.start()
         self.queue.put((result, index, ok, value))
 
+    def deliver_many(self, result: Any, done: list) -> None:
+        """``deliver`` of each ``(index, ok, value)`` of ``result``: in one call to it when it
+        has no callbacks (``chunks_done``)."""
+        if not result._has_callbacks():
+            result.chunks_done(done)
+            return
+        for index, ok, value in done:
+            self.deliver(result, index, ok, value)
+
     def _run(self) -> None:
         _in_callback.active = True
         while True:
@@ -79,6 +88,9 @@ class CallbackRunner:
             self.queue.put(None)
             if t is not threading.current_thread():
                 t.join(5)
+
+
+_NOTHING = object()  # no item (IMapIterator.next)
 
 
 def _refuse_wait_in_callback(result: Any) -> None:
@@ -172,6 +184,11 @@ class AsyncResult:
     def chunk_done(self, index: int, ok: bool, value: Any) -> None:
         self._set(ok, value[0] if ok else value)
 
+    def chunks_done(self, done: list) -> None:
+        """``chunk_done`` of each ``(index, ok, value)``."""
+        for index, ok, value in done:
+            self.chunk_done(index, ok, value)
+
     def __repr__(self) -> str:
         state = "pending" if not self.ready() else ("done" if self._ok else "failed")
         return f"<jaxtransport.pool.AsyncResult {state}>"
@@ -231,13 +248,33 @@ class MapResult(AsyncResult):
         if done:
             self._set(ok, result)
 
+    def chunks_done(self, done: list) -> None:
+        """``chunk_done`` of each ``(index, ok, value)``, under one acquisition of the lock."""
+        with self._lock:
+            if self._done or self._values is None:  # (None: failed, being completed)
+                return
+            values, size = self._values, self._chunksize
+            ok, result = True, values
+            for index, ok, value in done:
+                if not ok:
+                    self._values = None
+                    result = value
+                    break
+                start = index * size
+                values[start : start + len(value)] = value
+                self._left -= 1
+            finished = not ok or self._left == 0
+        if finished:
+            self._set(ok, result)
+
 
 class IMapIterator:
     """The iterator of ``imap`` (ordered) / ``imap_unordered``; ``next(timeout)`` as in
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
     def __init__(self, keepalive: Any, ordered: bool, on_consumed: Callable[[], None] | None = None) -> None:
-        self._cond = _lockorder.condition("IMapIterator._cond")
+        self._lock = _lockorder.lock("IMapIterator._cond")
+        self._cond = threading.Condition(self._lock)
         self._on_consumed = on_consumed  # told (no lock held) when a chunk's results are all taken
         # Results in a row that came back without shared memory (-1: one did): imap's window
         # widens once they show that piling them up costs no shared memory.
@@ -274,20 +311,44 @@ class IMapIterator:
             self._cond.notify_all()
 
     def chunk_done(self, index: int, ok: bool, value: Any) -> None:
+        self.chunks_done([(index, ok, value)])
+
+    def chunks_done(self, done: list) -> None:
+        """Chunks' results ``(index, ok, value)`` each, in one acquisition of the lock and one
+        wakeup of the consumer."""
         with self._cond:
-            self._done_chunks += 1
-            if ok:
-                value = collections.deque(value)
+            self._done_chunks += len(done)
+            queue = self._queue
             if self._ordered:
-                self._ready[index] = (ok, value)
-                while self._next_chunk in self._ready:
-                    self._queue.append(self._ready.pop(self._next_chunk))
-                    self._next_chunk += 1
+                ready = self._ready
+                for index, ok, value in done:
+                    ready[index] = (ok, collections.deque(value) if ok else value)
+                nxt = self._next_chunk
+                while nxt in ready:
+                    queue.append(ready.pop(nxt))
+                    nxt += 1
+                self._next_chunk = nxt
             else:
-                self._queue.append((ok, value))
+                for _index, ok, value in done:
+                    queue.append((ok, collections.deque(value) if ok else value))
             self._cond.notify_all()
 
     def next(self, timeout: float | None = None) -> Any:
+        with self._lock:  # the common case, an item ready: the condition's own lock, no wait
+            queue = self._queue
+            item: Any = _NOTHING
+            if queue:
+                ok, value = queue[0]
+                if ok and value:
+                    item = value.popleft()
+                    if value:
+                        return item
+                    queue.popleft()
+                    self._yielded_chunks += 1
+        if item is not _NOTHING:
+            if self._on_consumed is not None:
+                self._on_consumed()  # the feeder may have room again (imap's backpressure)
+            return item
         before = self._yielded_chunks
         try:
             return self._next(timeout)

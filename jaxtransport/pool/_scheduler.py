@@ -68,6 +68,9 @@ class Scheduler:
     def add(self, chunk: Chunk) -> None:
         self.pending.append(chunk)
 
+    def add_many(self, chunks: list[Chunk]) -> None:
+        self.pending.extend(chunks)
+
     def requeue(self, chunks: Iterable[Chunk]) -> None:
         """Put chunks that never started back at the front, in their order."""
         for chunk in reversed(list(chunks)):
@@ -75,49 +78,82 @@ class Scheduler:
 
     def assign(self, workers: list) -> list[tuple[Any, Chunk]]:
         """Move pending chunks to workers by the rule above; returns (worker, chunk) pairs to
-        send, each chunk already appended to its worker's ``outstanding``."""
-        out = []
+        send, each chunk already appended to its worker's ``outstanding``.
+
+        One pass over the workers per call, not per chunk (a map hands out hundreds at once):
+        each idle worker takes one, in the workers' order; then, behind a running chunk, a small
+        chunk goes to the worker of tiny chunks with the fewest in flight under its prefetch
+        limit (ties: the first from a turning point that moves at each call, so that they spread
+        over the workers), any other chunk to the first with exactly one in flight. The first
+        chunk that may go nowhere stops the pass (FIFO)."""
+        out: list[tuple[Any, Chunk]] = []
+        pending = self.pending
+        if not pending:
+            return out
         now = time.monotonic()
-        while self.pending:
-            w = self._pick(workers, self.pending[0], now)
-            if w is None:
-                break
-            chunk = self.pending.popleft()
+        for w in workers:
+            if not pending:
+                return out
+            if not w.outstanding and w.can_take() and w.alive():
+                chunk = pending.popleft()
+                chunk.began = now
+                w.outstanding.append(chunk)
+                out.append((w, chunk))
+        if not pending:
+            return out
+        # Behind a running chunk only on a worker of quick chunks whose running one is young.
+        # Each candidate once, in turn order: [in flight, place in turn, worker, tiny limit]
+        # (the limit is 0 unless its chunks are tiny); ``tiny``: those a small chunk may join.
+        count = len(workers)
+        first = self.turn % count if count else 0
+        self.turn += 1
+        # (No call per worker here: can_take() is asked of a candidate once it is picked, and
+        # prefetch_limit is inlined; a single apply_async runs this per call.)
+        cands: list[list] = []
+        tiny: list[list] = []
+        for k in range(count):
+            w = workers[(first + k) % count]
+            q = w.outstanding
+            pace = w.pace
+            if not q or pace is None or pace >= QUICK_S or now - q[0].began >= QUICK_S:
+                continue
+            n = len(q)
+            # prefetch_limit(pace), at least PREFETCH_TINY, for workers of tiny chunks
+            limit = (
+                min(PREFETCH_MAX, max(PREFETCH_TINY, int(PREFETCH_S / (pace if pace > 1e-6 else 1e-6))))
+                if pace < TINY_TASK_S
+                else 0
+            )
+            cand = [n, k, w, limit, False]  # [4]: can_take() was asked and said yes
+            cands.append(cand)
+            if n < limit:
+                tiny.append(cand)
+        while pending and cands:
+            chunk = pending[0]
+            if chunk.small and tiny:
+                cand = min(tiny)  # the fewest in flight, then the first in turn (k is unique)
+            else:
+                for cand in cands:
+                    if cand[0] == 1:
+                        break
+                else:
+                    break
+            if not cand[4]:
+                if not cand[2].can_take():
+                    cands.remove(cand)
+                    if cand in tiny:
+                        tiny.remove(cand)
+                    continue
+                cand[4] = True
+            pending.popleft()
+            w = cand[2]
             chunk.began = now
             w.outstanding.append(chunk)
             out.append((w, chunk))
+            cand[0] += 1
+            if cand[3] and cand[0] >= cand[3] and cand in tiny:
+                tiny.remove(cand)
         return out
-
-    def _pick(self, workers: list, chunk: Chunk, now: float):
-        for w in workers:
-            if not w.outstanding and w.can_take() and w.alive():
-                return w
-        # Behind a running chunk only on a worker of quick chunks whose running one is young:
-        # a small chunk goes to the one with the fewest in flight under its prefetch limit (any
-        # with one in flight is the least possible: the search stops there), else any chunk to
-        # one with exactly one in flight. One pass, started at a turning point so that ties
-        # spread over the workers; no call per worker unless it is a candidate.
-        small = chunk.small
-        best = one = None
-        best_n = 0
-        count = len(workers)
-        start = self.turn % count if count else 0
-        self.turn += 1
-        for k in range(count):
-            w = workers[(start + k) % count]
-            out = w.outstanding
-            pace = w.pace
-            if not out or pace is None or pace >= QUICK_S or now - out[0].began >= QUICK_S:
-                continue
-            n = len(out)
-            if small and pace < TINY_TASK_S and (n < PREFETCH_TINY or n < prefetch_limit(pace)):
-                if (best is None or n < best_n) and w.can_take():
-                    best, best_n = w, n
-                    if n == 1:
-                        break
-            elif n == 1 and one is None and w.can_take():
-                one = w
-        return best if best is not None else one
 
     @staticmethod
     def finished(w, chunk_id: int) -> Chunk | None:
@@ -130,6 +166,23 @@ class Scheduler:
                     w.outstanding[0].began = time.monotonic()
                 return c
         return None
+
+    @staticmethod
+    def finished_many(w, chunk_ids: list) -> list[Chunk | None]:
+        """``finished`` of each of ``chunk_ids`` (a run of results from ``w``), in order."""
+        out = w.outstanding
+        got: list[Chunk | None] = []
+        now = None
+        for chunk_id in chunk_ids:
+            if out and out[0].chunk_id == chunk_id:  # results come in the order sent
+                got.append(out.popleft())
+                if out:
+                    if now is None:
+                        now = time.monotonic()
+                    out[0].began = now
+            else:
+                got.append(Scheduler.finished(w, chunk_id))
+        return got
 
     @staticmethod
     def lost(w) -> tuple[Chunk | None, list[Chunk]]:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from .. import _lockorder, _shm
-from ._framing import IOV, advance, frame_header, pieces
+from ._framing import HEADER, IOV, advance, frame_header, pieces
 
 _RECV = 1 << 20  # the most one non-blocking read of a worker's pipe takes
 
@@ -32,7 +32,8 @@ class Sender:
 
     def __init__(self, sock: socket.socket, fdsock: socket.socket, name: str):
         self.sock, self.fdsock = sock, fdsock
-        self.cond = _lockorder.condition("Sender.cond")  # guards queue/writing/closed only
+        self.mutex = _lockorder.lock("Sender.cond")  # guards queue/writing/closed only
+        self.cond = threading.Condition(self.mutex)
         self.queue: collections.deque = collections.deque()
         self.writing = False
         self.closed = False
@@ -44,19 +45,22 @@ class Sender:
         passing ``segments`` ((seg_id, size, fd) each; the fd is duplicated here, so the arena
         may close its own at any time)."""
         out = pieces(payload if isinstance(payload, list) else [payload])
-        fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments]
-        with self.cond:
+        fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments] if segments else []
+        with self.mutex:  # the condition's lock (its own __enter__ is a call more per post)
             if self.closed:
                 _close_fds(fds)
                 return
             if not fds and not self.queue and not self.writing:
                 try:
-                    out = _send_some(self.sock, out, socket.MSG_DONTWAIT)
+                    sent = self.sock.sendmsg(out[:IOV], (), socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
-                    pass
+                    sent = 0
                 except OSError:
                     self._close_locked()  # the worker is gone: the manager sees its sentinel
                     return
+                if len(out) == 1 and sent == len(out[0]):
+                    return  # the common small message: all of it went
+                out = advance(out, sent)
                 if not out:
                     return
             self.queue.append((out, fds))
@@ -136,7 +140,16 @@ class FrameReader:
                 break
         frames = []
         buf, pos, end = self.buf, 0, len(self.buf)
+        unpack = HEADER.unpack_from
         while True:
+            if end - pos >= 4:  # a short header (frame_header, inline: a call per result costs)
+                (n,) = unpack(buf, pos)
+                if n >= 0:
+                    if end - pos - 4 < n:
+                        break
+                    frames.append(bytes(buf[pos + 4 : pos + 4 + n]))
+                    pos += 4 + n
+                    continue
             header = frame_header(buf, pos)
             if header is None:
                 break

@@ -80,6 +80,9 @@ class WorkerConfig(NamedTuple):
 
 
 CURRENT = None  # the running worker (for introspection and tests)
+# Results of only these exact types pickle the same with any pickler (no reducer, no array,
+# no name to look up): encode_results pickles them in one call.
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 
 class _Worker:
@@ -124,8 +127,12 @@ class _Worker:
 
     # -- sending
     def send(self, msg) -> None:
+        self.send_raw(self.protocol.dumps(msg))
+
+    def send_raw(self, raw) -> None:
+        """Send a message already in its wire form (``_protocol.dumps``)."""
         try:
-            self.write_frame(self.conn.fileno(), self.protocol.dumps(msg))
+            self.write_frame(self.conn.fileno(), raw)
         except (OSError, EOFError):
             self.parent_gone = True
             raise SystemExit(0) from None
@@ -344,11 +351,15 @@ class _Worker:
         # stopped worker); the worker holds it for a few stores. A worker the parent took
         # chunks from gets nothing new until it shows it runs again: a message, or [3]
         # reaching the last seq taken back (it read and skipped them).
-        with self.claim:
-            if seq <= cell[2]:
-                cell[3] = seq  # read and skipped: the parent sees this worker is back
+        claim, block = self.claim, cell.block  # the cells themselves (no call per access)
+        claim.acquire()
+        try:
+            if seq <= block[2]:
+                block[3] = seq  # read and skipped: the parent sees this worker is back
                 return False
-            cell[0], cell[1] = chunk_id, seq
+            block[0], block[1] = chunk_id, seq
+        finally:
+            claim.release()
         return True
 
     def run_chunk(self, msg) -> None:
@@ -395,12 +406,15 @@ class _Worker:
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
-        self.send(self.protocol.Result(chunk_id, ok, data, entries, [tuple(h) for h in rel], unheld, seconds))
+        releases = [tuple(h) for h in rel] if rel else []
+        self.send_raw(self.protocol.result(chunk_id, ok, data, entries, releases, unheld, seconds))
 
     def encode_results(self, out: list):
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
         do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
         or with the pickling error itself (an Executor's, as concurrent.futures)."""
+        if {type(r) for r in out} <= _SCALARS:  # a small task's: nothing to route or to look up
+            return True, pickle.dumps(out, protocol=self.protocol.PICKLE_PROTOCOL), [], ()
         try:
             prep = self.wire.prepare(out, threshold=self.threshold, to_parent=True)
         except BaseException as e:  # noqa: BLE001
