@@ -745,7 +745,7 @@ REMEASURE_ROWS = [
         "{atari.2.queue_jt.ratio} / {atari.2.queue_jt.vs_stock}",
         "against threads, higher: the previous run shared the cores with other jobs (load "
         "{prev.atari.2.queue_jt.load} against {atari.2.queue_jt.load}), which time-slices threads and "
-        "processes alike; against stock, the same"),
+        "processes alike; against stock, within the rounds' spread"),
     Row("Atari Pong, 2 actors, env steps/s: threads / streaming queue",
         "{prev.atari.2.threads.steps} / {prev.atari.2.queue_jt.steps}",
         "{atari.2.threads.steps} / {atari.2.queue_jt.steps}", "higher for every design: a quiet machine"),
