@@ -211,12 +211,14 @@ def _np_dtype(name: str) -> np.dtype:
     import jax.numpy as jnp
 
     try:
-        return np.dtype(jnp.dtype(name))
-    except TypeError as e:
+        dtype = np.dtype(jnp.dtype(name))
+    except Exception as e:  # noqa: BLE001 - numpy's parser of a peer-sent name raises TypeError,
+        # ValueError or even SyntaxError (comma-separated field specs): each is a name it lacks
         raise DtypeUnavailableError(
             f"This process's JAX/ml_dtypes does not know dtype {name!r} (sent by the peer). "
             "Install the same jax and ml_dtypes versions on both sides."
         ) from e
+    return dtype  # structured, object or void: refused by _validate, which names the field
 
 
 def _check_x64(dtype: np.dtype, placement: str) -> None:

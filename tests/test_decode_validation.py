@@ -233,3 +233,12 @@ def test_fuzz_mutated_payloads_decode_exactly_or_raise_ours():
     assert report["cases"] >= 3000, report
     assert min(report["by_kind"].values()) >= 500, report
     assert "SystemError" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["flo,t8_e5m2", "f4,,i4"])
+def test_a_dtype_name_numpy_cannot_parse_is_ours(name):
+    # numpy's parser raises ValueError (not TypeError) for these: the fuzzer found it surfacing
+    # from the decoder; it is a TransportError naming the dtype, as for an unknown name.
+    data, bufs = craft(meta(name, (4,)), np.zeros(4, np.float32))
+    with pytest.raises(jt.TransportError, match="does not know dtype"):
+        jt.loads(data, bufs)
