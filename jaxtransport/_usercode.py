@@ -46,7 +46,14 @@ from typing import Any
 
 from ._pickling import _Pickler
 
-__all__ = ["Pickler", "code_reduction", "importable_main_names", "registered_by_value", "unguarded_start"]
+__all__ = [
+    "Pickler",
+    "code_reduction",
+    "importable_main_names",
+    "main_reference",
+    "registered_by_value",
+    "unguarded_start",
+]
 
 _MAIN_NAMES = ("__main__", "__mp_main__")
 
@@ -181,7 +188,7 @@ def _main_attr(name: str) -> Any:
         ) from None
 
 
-def _main_reference(obj: Any) -> tuple | None:
+def main_reference(obj: Any) -> tuple | None:
     """``(_main_attr, (name,))`` for an object both ends' ``__main__`` bind under ``name``."""
     try:
         module = obj.__module__
@@ -346,7 +353,7 @@ class Pickler(_Pickler):
     ``multiprocessing`` module makes it behave (Note [user code])."""
 
     def reducer_override(self, obj):
-        ref = _main_reference(obj)
+        ref = main_reference(obj)
         if ref is not None:
             return ref
         return super().reducer_override(obj)

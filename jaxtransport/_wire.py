@@ -54,6 +54,7 @@ __all__ = [
     "prepare",
     "prepare_many",
     "standalone",
+    "task_function",
 ]
 
 
@@ -221,7 +222,10 @@ def _fast_pickle(obj: Any, router: _Router) -> bytes | None:
 def _mentions_main(data: bytes) -> bool:
     """Whether ``data`` holds ``__main__`` or ``__mp_main__``. Led by ``find`` of one byte
     (memchr): several times faster than a search for the word on array bytes, where the
-    underscore is rare; falls back to that search when underscores are common."""
+    underscore is rare; falls back to that search when underscores are common. A short pickle
+    (a small task's) is searched in one go."""
+    if len(data) < 4096:
+        return b"_main__" in data
     find, i = data.find, data.find(b"_")
     for _ in range(64):
         if i < 0:
@@ -264,11 +268,54 @@ def _by_reference(fn: Any) -> bool:
     return obj is fn
 
 
+class _MainName:
+    """A task's function that the main script binds at top level, as it travels: its name,
+    which the receiver looks up in its own ``__main__`` (``_usercode.main_reference``, the
+    reduction the user-code pickler writes for it). Standing in for the function, it lets the
+    C pickler write the task (the fast path refuses anything naming ``__main__``), so a
+    function of the user's script costs a task no more than an importable one."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: tuple):
+        self.ref = ref
+
+    def __reduce__(self):
+        return self.ref
+
+
+def task_function(fn: Any) -> Any:
+    """``fn`` as a task carries it: a function (or an alias such as ``step = jax.jit(f)``)
+    bound at the top level of the main script as its name (:class:`_MainName`), anything else
+    as itself. The name is looked up anew for every task, so a rebinding is seen as the
+    user-code pickler would see it."""
+    global _last_named
+    if getattr(fn, "__module__", None) not in _MAIN_MODULES or _usercode.registered_by_value():
+        return fn
+    last = _last_named
+    if last is not None and last[0] is fn and vars(sys.modules["__main__"]).get(last[1]) is fn:
+        return last[2]  # the same function as the last task's, still bound to that name
+    ref = _usercode.main_reference(fn)
+    if ref is None:
+        return fn
+    named = _MainName(ref)
+    _last_named = (fn, ref[1][0], named)
+    return named
+
+
+_MAIN_MODULES = ("__main__", "__mp_main__")
+_last_named: tuple[Any, str, _MainName] | None = None  # task_function's last (fn, name, result)
+
+
 def function_blob(fn: Any, *, threshold: int | None, locate: Callable | None = None) -> Any:
     """``fn`` pickled once for reuse across chunks, or ``fn`` itself when it carries large
-    arrays (those must go through shared memory with each chunk) or travels by its name."""
+    arrays (those must go through shared memory with each chunk) or travels by its name (an
+    importable one, or the main script's: ``task_function``)."""
     if _by_reference(fn):
         return fn
+    named = task_function(fn)
+    if named is not fn:
+        return named
     prep = prepare(fn, threshold=threshold, locate=locate)
     return fn if prep.found else FnBlob(prep.data)
 

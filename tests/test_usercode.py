@@ -317,3 +317,57 @@ def test_functions_returned_from_main_by_value_stay_distinct(tmp_path, method):
     assert "ADDERS [11, 12, 13, 14]" in proc.stdout, proc.stdout
     assert "LOCAL 6 scaled" in proc.stdout, proc.stdout
     assert "AGAIN 10 6" in proc.stdout, proc.stdout
+
+
+NAMED = textwrap.dedent(
+    """
+    import functools, json, sys
+    import jaxtransport as jt
+    from jaxtransport import _wire
+
+    def task(x):
+        return x + 1
+
+    def _inner(x):
+        return x * 2
+
+    @functools.wraps(_inner)
+    def alias(x):  # carries _inner's name, as `step = jax.jit(_step)` does
+        return _inner(x)
+
+    def other(x):
+        return x - 1
+
+    def carried(fn):
+        prep = _wire.prepare((_wire.task_function(fn), "apply", [((1,), {})]), threshold=None)
+        return {"fast": b"cloudpickle" not in prep.data, "by_name": b"_main_attr" in prep.data}
+
+    if __name__ == "__main__":
+        out = {"task": carried(task), "alias": carried(alias), "lambda": carried(lambda x: x)}
+        old = task
+        task = other  # rebound: the old function no longer goes by that name
+        out["rebound"] = carried(old)
+        out["rebound_name"] = carried(task)
+        with jt.Pool(1, start_method=sys.argv[1]) as p:
+            out["results"] = [p.apply(old, (1,)), p.apply(task, (1,)), p.apply(alias, (3,)),
+                              p.apply_async(other, (5,)).get(), p.map(alias, [1, 2], chunksize=1)]
+        print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_a_main_script_function_travels_by_name_on_the_fast_path(tmp_path, method):
+    # A function the script binds at top level travels as its name (the C pickler's path, no
+    # cloudpickle per task), as an importable function does; a rebound name or a lambda keeps
+    # the by-value path; the answers are the stock pool's.
+    script = tmp_path / "named.py"
+    script.write_text(NAMED)
+    proc = subprocess.run([sys.executable, str(script), method], env=_env(), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    out = _result(proc)
+    assert out["task"] == {"fast": True, "by_name": True}, out
+    assert out["alias"] == {"fast": True, "by_name": True}, out
+    assert out["rebound_name"] == {"fast": True, "by_name": True}, out
+    assert out["lambda"]["by_name"] is False and out["rebound"]["by_name"] is False, out
+    assert out["results"] == [2, 0, 6, 4, [2, 4]], out

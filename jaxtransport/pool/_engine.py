@@ -285,12 +285,15 @@ class Engine:
 
     def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared]:
         """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
+        fn = _wire.task_function(fn)
         return _wire.prepare_many(
             [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
         )
 
     def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
-        return _wire.prepare((fn, mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate)
+        return _wire.prepare(
+            (_wire.task_function(fn), mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate
+        )
 
     def submit(self, prep: _wire.Prepared, result, index: int) -> None:
         """Copy a prepared chunk's arrays into shared memory and queue it."""
