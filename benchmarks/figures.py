@@ -385,6 +385,16 @@ def _tasks() -> None:
                 if not label.startswith("Pool"):
                     FIGURES[f"{key}.loky.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport="loky")
                     FIGURES[f"{key}.vs_loky"] = Derived((f"{key}.loky.us", f"{key}.jt.us"), lambda a, b: a / b, "x2")
+    # The same 0 s cells with a task defined in the user's script (__main__).
+    for q, label in (("apply_main", "Pool.apply_async"), ("submit_main", "Executor.submit")):
+        stock = "multiprocessing.Pool" if label.startswith("Pool") else "concurrent.futures"
+        jt = "jaxtransport.Pool" if label.startswith("Pool") else "jaxtransport.Executor"
+        for w in (2, 8, 16):
+            name = f"{label}, 0 s tasks, a function of the main script"
+            key = f"tasks.{q}.0.{w}"
+            FIGURES[f"{key}.mp.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=stock)
+            FIGURES[f"{key}.jt.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=jt)
+            FIGURES[f"{key}.ratio"] = F("tasks", "ratio", "x2", name=name, workers=w, transport=jt)
 
 
 def _joblib() -> None:

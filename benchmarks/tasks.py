@@ -3,7 +3,8 @@
 Each call sends ``n`` tasks whose arguments and results are small ints, so nothing but the
 per-task path is measured: ``Pool.apply_async`` (then every ``get``), ``Pool.map(chunksize=1)``,
 ``Pool.imap(chunksize=1)`` (consumed), ``Executor.submit`` (then every ``result``) and
-``Executor.map`` (consumed). Tasks take 0 s (``x + 1``), 100 us and 1 ms (``time.sleep``: the
+``Executor.map`` (consumed); ``apply_async`` and ``submit`` also with a task defined in the
+user's own script (``__main__``, run in a child interpreter). Tasks take 0 s (``x + 1``), 100 us and 1 ms (``time.sleep``: the
 worker waits without taking a core, so on a machine with fewer cores than workers the parent's
 cost still shows), on 2, 8 and 16 workers. The Pool calls run against ``multiprocessing.Pool``
 (spawn), the Executor calls against ``concurrent.futures.ProcessPoolExecutor`` (spawn) and loky's
@@ -157,8 +158,13 @@ def _warm(pools: dict, calls: tuple, workers: int) -> None:
     time.sleep(0.2)
 
 
-def bench_cell(pools: dict, call: str, task_s: float, workers: int, reps: int, quick: bool) -> list[dict]:
-    fn = TASKS[task_s]
+def bench_cell(
+    pools: dict, call: str, task_s: float, workers: int, reps: int, quick: bool, fn: Callable | None = None, label: str = ""
+) -> list[dict]:
+    """One cell: ``call`` with tasks of ``task_s`` on ``workers``, each pool in turn. ``fn`` (a
+    task of ``task_s`` seconds) and ``label`` (appended to the row's name) for another task
+    than this module's."""
+    fn = TASKS[task_s] if fn is None else fn
     n = tasks_per_run(task_s, workers, quick)
     runner = RUNNERS[call]
     names = list(pools)
@@ -180,7 +186,7 @@ def bench_cell(pools: dict, call: str, task_s: float, workers: int, reps: int, q
         med = statistics.median(ts)
         rows.append(
             {
-                "name": f"{CALL_LABEL[call]}, {TASK_LABEL[task_s]} tasks",
+                "name": f"{CALL_LABEL[call]}, {TASK_LABEL[task_s]} tasks{label}",
                 "size_bytes": 0,
                 "transport": name,
                 "seconds": med,
@@ -190,7 +196,7 @@ def bench_cell(pools: dict, call: str, task_s: float, workers: int, reps: int, q
                 "tasks_per_s": 1.0 / med,
                 "parent_cpu_us": statistics.median(cpus[name]) * 1e6,
                 "workers": workers,
-                "call": call,
+                "call": call + ("_main" if label else ""),
                 "task_s": task_s,
                 "tasks": n,
                 "reps": reps,
@@ -205,6 +211,57 @@ def bench_cell(pools: dict, call: str, task_s: float, workers: int, reps: int, q
             flush=True,
         )
     return rows
+
+
+# A script whose task is a function of its own (``__main__``), the shape most users write: such a
+# function travels by its name in the script, which the spawned workers run as ``__mp_main__``.
+MAIN_SCRIPT = """
+import json, sys
+from benchmarks import tasks as T
+
+def task_main(x):
+    return x + 1
+
+if __name__ == "__main__":
+    workers, reps, quick = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    rows = []
+    for kind, call in (("pool", "apply_async"), ("executor", "submit")):
+        pools = T._start_pools(kind, workers)
+        try:
+            T._warm(pools, (call,), workers)
+            rows += T.bench_cell(pools, call, 0.0, workers, reps, quick, fn=task_main,
+                                 label=", a function of the main script")
+        finally:
+            T._stop_pools(pools)
+    print("ROWS " + json.dumps(rows), flush=True)
+"""
+
+
+def bench_main_script(workers: int, reps: int, quick: bool) -> list[dict]:
+    """``apply_async`` and ``submit`` of a task defined in the user's script (``__main__``), in a
+    child interpreter running that script."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "user_script.py")
+        with open(script, "w") as f:
+            f.write(MAIN_SCRIPT)
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(
+            [sys.executable, script, str(workers), str(reps), "1" if quick else "0"],
+            env=env, capture_output=True, text=True, timeout=1800,
+        )
+    out = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")]
+    if proc.returncode != 0 or not out:
+        raise RuntimeError(f"the main-script cell failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    for ln in proc.stdout.splitlines():
+        if not ln.startswith("ROWS "):
+            print(ln, flush=True)
+    return json.loads(out[-1][len("ROWS "):])
 
 
 def run(
@@ -231,6 +288,8 @@ def run(
                         rows.extend(bench_cell(pools, call, task_s, w, reps, quick))
             finally:
                 _stop_pools(pools)
+        if 0.0 in task_seconds and {"apply_async", "submit"} & set(calls):
+            rows.extend(bench_main_script(w, reps, quick))
     return rows
 
 
