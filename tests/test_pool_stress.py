@@ -221,8 +221,8 @@ class Round:
         rng = random.Random(seed)
         while self.running():
             n = rng.randint(5, 40)
-            it = pool.imap(square, range(n), chunksize=rng.randint(1, 3))
             try:
+                it = pool.imap(square, range(n), chunksize=rng.randint(1, 3))  # may meet the terminate
                 for i in range(n):
                     try:
                         v = it.next(BOUND_S)

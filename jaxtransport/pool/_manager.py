@@ -120,6 +120,9 @@ class Manager:
         self.thread = threading.Thread(target=self.run, name="jaxtransport-pool-manager", daemon=True)
         self.last_flush = 0.0
         self.finished_any = False
+        # This round's runs of results, (worker, results) each: their chunks leave the books
+        # under one acquisition of the engine's lock for every worker (flush_results).
+        self.results: list[tuple[WorkerRec, list]] = []
         self.early_deaths = 0  # workers in a row that died before they were ready
         self.roster_changed = True  # a worker died or was replaced: the loop re-reads the list
 
@@ -197,6 +200,7 @@ class Manager:
                 elif kind == "sentinel" and not w.dead:
                     self.read_from(w)
                     self.worker_exited(w)
+            self.flush_results()
             if self.finished_any:  # once per round of events, not per worker or result
                 self.finished_any = False
                 with engine.lock:
@@ -212,7 +216,9 @@ class Manager:
 
     def read_from(self, w: WorkerRec) -> None:
         """Handle what ``w`` sent; the loop dispatches once after a round of these (the
-        places that results freed, every worker's at once)."""
+        places that results freed, every worker's at once). Runs of results wait in
+        ``self.results`` for the end of the round (``flush_results``); anything else ``w``
+        sent after them is handled once they are done, in the order sent."""
         frames, eof = w.reader.read()
         if frames and w.held_back:
             self.engine.resume(w)
@@ -232,21 +238,48 @@ class Manager:
                 j = i + 1
                 while j < len(msgs) and type(msgs[j]) is _protocol.Result:
                     j += 1
-                group = msgs[i:j]
-                with self.engine.lock:
-                    chunks = self.engine.scheduler.finished_many(w, [m.chunk_id for m in group])
-                self.complete_many(w, group, chunks)
-                del group, chunks
+                self.results.append((w, msgs[i:j]))
                 i = j
             elif isinstance(msg, CorruptTransferError):
+                self.flush_results()
                 self.retire(w, f"it sent a malformed message ({msg})")
                 break
             else:
+                self.flush_results()
                 self.HANDLERS[type(msg)](self, w, msg)
                 i += 1
         del msgs
         if eof and not w.dead:
+            self.flush_results()
             self.worker_exited(w)
+
+    def flush_results(self) -> None:
+        """Complete the round's runs of results: their chunks leave the books under one
+        acquisition of the engine's lock, then the results are decoded and delivered with no
+        lock held (one ``finish_chunks`` for all). With many workers, one acquisition per
+        worker per round let a thread submitting tasks and this one hand the lock back and
+        forth for every result."""
+        runs = self.results
+        if not runs:
+            return
+        self.results = []
+        engine = self.engine
+        with engine.lock:
+            chunks = [engine.scheduler.finished_many(w, [m.chunk_id for m in group]) for w, group in runs]
+        done: list = []
+        error: BaseException | None = None
+        try:
+            for (w, group), got in zip(runs, chunks):
+                try:
+                    self.complete_many(w, group, got, done)
+                except BaseException as e:  # noqa: BLE001 - the other workers' results still go
+                    error = error or e
+            engine.finish_chunks(done)
+            if error is not None:
+                raise error
+        finally:
+            done.clear()  # no value outlives the call here (slots go back when their arrays die)
+        del runs, chunks
 
     def on_frame(self, w: WorkerRec, raw: bytes) -> None:
         try:
@@ -288,11 +321,12 @@ class Manager:
         what it says, complete the chunk's result (no lock held)."""
         self.complete_many(w, [msg], [chunk])
 
-    def complete_many(self, w: WorkerRec, msgs: list, chunks: list) -> None:
+    def complete_many(self, w: WorkerRec, msgs: list, chunks: list, into: list | None = None) -> None:
         """``complete`` of each of a run of results from ``w`` (``chunks[i]``: the chunk of
         ``msgs[i]``), their values delivered together: the results that are a pickle alone (a
         small task's) are unpickled under one placement, and each result object gets its chunks
-        in one call (one lock acquisition, one wakeup of its waiter: ``Engine.finish_chunks``)."""
+        in one call (one lock acquisition, one wakeup of its waiter: ``Engine.finish_chunks``).
+        With ``into``, the completions are appended to it for the caller's ``finish_chunks``."""
         engine = self.engine
         pace = w.pace
         for m in msgs:
@@ -300,7 +334,7 @@ class Manager:
         w.pace = pace
         light = [m.data for m in msgs if m.ok and not m.entries]  # nothing in shared memory
         loaded = iter(_wire.loads_each(light, engine.placement) if light else ())
-        done = []
+        done = [] if into is None else into
         for m, chunk in zip(msgs, chunks):
             if m.ok and not m.entries:
                 ok, value = next(loaded)
@@ -315,10 +349,11 @@ class Manager:
                 done.append((chunk, ok, value))
             del value
         del loaded
-        try:
-            engine.finish_chunks(done)
-        finally:
-            done.clear()  # no value outlives the call here (slots go back when their arrays die)
+        if into is None:
+            try:
+                engine.finish_chunks(done)
+            finally:
+                done.clear()  # no value outlives the call here (slots go back when their arrays die)
         self.finished_any = True  # the loop dispatches what the freed places allow
 
     def decode(self, w: WorkerRec, msg: _protocol.Result) -> tuple[bool, Any]:
@@ -414,6 +449,7 @@ class Manager:
         engine = self.engine
         if w.dead:
             return
+        self.flush_results()  # its results read so far leave the books before it does
         if w.fault is None:
             self.read_from_quietly(w)  # results it sent before dying are still in the pipe
         if w.dead:
