@@ -370,14 +370,19 @@ def _others() -> None:
 def _tasks() -> None:
     # benchmarks/tasks.py: one small task sent one by one; per task seconds, ratio against the
     # stock pool of the call (multiprocessing.Pool or concurrent.futures), and loky's row.
-    calls = (("apply", "Pool.apply_async"), ("map", "Pool.map(chunksize=1)"), ("imap", "Pool.imap(chunksize=1)"),
-             ("submit", "Executor.submit"), ("exmap", "Executor.map"))
-    for q, label in calls:
+    # The "_main" calls: the same 0 s cells with a task defined in the user's script (__main__).
+    every = (("0 s", "0"), ("100 us", "100us"), ("1 ms", "1ms"))
+    main = ((("0 s", "0"),), ", a function of the main script")
+    calls = (("apply", "Pool.apply_async", (every, "")), ("map", "Pool.map(chunksize=1)", (every, "")),
+             ("imap", "Pool.imap(chunksize=1)", (every, "")), ("submit", "Executor.submit", (every, "")),
+             ("exmap", "Executor.map", (every, "")), ("apply_main", "Pool.apply_async", main),
+             ("submit_main", "Executor.submit", main))
+    for q, label, (tasks, suffix) in calls:
         stock = "multiprocessing.Pool" if label.startswith("Pool") else "concurrent.futures"
         jt = "jaxtransport.Pool" if label.startswith("Pool") else "jaxtransport.Executor"
-        for task, ttag in (("0 s", "0"), ("100 us", "100us"), ("1 ms", "1ms")):
+        for task, ttag in tasks:
             for w in (2, 8, 16):
-                name = f"{label}, {task} tasks"
+                name = f"{label}, {task} tasks{suffix}"
                 key = f"tasks.{q}.{ttag}.{w}"
                 FIGURES[f"{key}.mp.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=stock)
                 FIGURES[f"{key}.jt.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=jt)
@@ -385,16 +390,6 @@ def _tasks() -> None:
                 if not label.startswith("Pool"):
                     FIGURES[f"{key}.loky.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport="loky")
                     FIGURES[f"{key}.vs_loky"] = Derived((f"{key}.loky.us", f"{key}.jt.us"), lambda a, b: a / b, "x2")
-    # The same 0 s cells with a task defined in the user's script (__main__).
-    for q, label in (("apply_main", "Pool.apply_async"), ("submit_main", "Executor.submit")):
-        stock = "multiprocessing.Pool" if label.startswith("Pool") else "concurrent.futures"
-        jt = "jaxtransport.Pool" if label.startswith("Pool") else "jaxtransport.Executor"
-        for w in (2, 8, 16):
-            name = f"{label}, 0 s tasks, a function of the main script"
-            key = f"tasks.{q}.0.{w}"
-            FIGURES[f"{key}.mp.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=stock)
-            FIGURES[f"{key}.jt.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=jt)
-            FIGURES[f"{key}.ratio"] = F("tasks", "ratio", "x2", name=name, workers=w, transport=jt)
 
 
 def _joblib() -> None:

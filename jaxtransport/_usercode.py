@@ -47,6 +47,7 @@ from typing import Any
 from ._pickling import _Pickler
 
 __all__ = [
+    "MAIN_NAMES",
     "Pickler",
     "code_reduction",
     "importable_main_names",
@@ -55,7 +56,7 @@ __all__ = [
     "unguarded_start",
 ]
 
-_MAIN_NAMES = ("__main__", "__mp_main__")
+MAIN_NAMES = ("__main__", "__mp_main__")  # what a main script is called: parent, spawned child
 
 # --------------------------------------------------------------------------------------------
 # What the receiver's __main__ has: the names the main script binds at top level
@@ -195,7 +196,7 @@ def main_reference(obj: Any) -> tuple | None:
         qualname = obj.__qualname__
     except Exception:
         return None
-    if module not in _MAIN_NAMES or not isinstance(qualname, str):
+    if module not in MAIN_NAMES or not isinstance(qualname, str):
         return None
     names = importable_main_names()
     if names is None:
@@ -360,7 +361,7 @@ class Pickler(_Pickler):
 
     def _dynamic_function_reduce(self, func):
         rv = super()._dynamic_function_reduce(func)
-        if func.__globals__.get("__name__") not in _MAIN_NAMES:
+        if func.__globals__.get("__name__") not in MAIN_NAMES:
             return rv
         try:
             _ctor, (code, _base, name, argdefs, closure), (attrs, slots), *_ = rv

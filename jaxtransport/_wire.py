@@ -260,7 +260,7 @@ def _by_reference(fn: Any) -> bool:
     if type(fn) not in (types.FunctionType, types.BuiltinFunctionType) or _usercode.registered_by_value():
         return False
     module = getattr(fn, "__module__", None)
-    if not isinstance(module, str) or module in ("__main__", "__mp_main__"):
+    if not isinstance(module, str) or module in _usercode.MAIN_NAMES:
         return False
     obj: Any = sys.modules.get(module)
     for part in getattr(fn, "__qualname__", "<").split("."):
@@ -290,7 +290,7 @@ def task_function(fn: Any) -> Any:
     as itself. The name is looked up anew for every task, so a rebinding is seen as the
     user-code pickler would see it."""
     global _last_named
-    if getattr(fn, "__module__", None) not in _MAIN_MODULES or _usercode.registered_by_value():
+    if getattr(fn, "__module__", None) not in _usercode.MAIN_NAMES or _usercode.registered_by_value():
         return fn
     last = _last_named
     if last is not None and last[0] is fn and vars(sys.modules["__main__"]).get(last[1]) is fn:
@@ -303,7 +303,6 @@ def task_function(fn: Any) -> Any:
     return named
 
 
-_MAIN_MODULES = ("__main__", "__mp_main__")
 _last_named: tuple[Any, str, _MainName] | None = None  # task_function's last (fn, name, result)
 
 
@@ -428,8 +427,7 @@ def prepare_many(
                 data = None
                 p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)  # a fresh one after a failure
                 p.dispatch_table = _fast_table(tree_type)
-            # (a short pickle is searched in one go: _mentions_main is for long ones)
-            if data is None or (b"_main__" in data if len(data) < 4096 else _mentions_main(data)):
+            if data is None or _mentions_main(data):
                 _encoding.router = outer
                 out.append(
                     prepare(

@@ -268,18 +268,22 @@ class Manager:
             chunks = [engine.scheduler.finished_many(w, [m.chunk_id for m in group]) for w, group in runs]
         done: list = []
         error: BaseException | None = None
+        for (w, group), got in zip(runs, chunks):
+            try:
+                self.complete_many(w, group, got, done)
+            except BaseException as e:  # noqa: BLE001 - the other workers' results still go
+                error = error or e
+        self.deliver(done)
+        if error is not None:
+            raise error
+
+    def deliver(self, done: list) -> None:
+        """``Engine.finish_chunks(done)``, then ``done`` emptied: no value outlives the call
+        here (slots go back when their arrays die)."""
         try:
-            for (w, group), got in zip(runs, chunks):
-                try:
-                    self.complete_many(w, group, got, done)
-                except BaseException as e:  # noqa: BLE001 - the other workers' results still go
-                    error = error or e
-            engine.finish_chunks(done)
-            if error is not None:
-                raise error
+            self.engine.finish_chunks(done)
         finally:
-            done.clear()  # no value outlives the call here (slots go back when their arrays die)
-        del runs, chunks
+            done.clear()
 
     def on_frame(self, w: WorkerRec, raw: bytes) -> None:
         try:
@@ -319,14 +323,16 @@ class Manager:
     def complete(self, w: WorkerRec, msg: _protocol.Result, chunk: Chunk | None) -> None:
         """A result whose chunk (None: no longer in flight) left the books: decode it, release
         what it says, complete the chunk's result (no lock held)."""
-        self.complete_many(w, [msg], [chunk])
+        done: list = []
+        self.complete_many(w, [msg], [chunk], done)
+        self.deliver(done)
 
-    def complete_many(self, w: WorkerRec, msgs: list, chunks: list, into: list | None = None) -> None:
+    def complete_many(self, w: WorkerRec, msgs: list, chunks: list, done: list) -> None:
         """``complete`` of each of a run of results from ``w`` (``chunks[i]``: the chunk of
         ``msgs[i]``), their values delivered together: the results that are a pickle alone (a
         small task's) are unpickled under one placement, and each result object gets its chunks
         in one call (one lock acquisition, one wakeup of its waiter: ``Engine.finish_chunks``).
-        With ``into``, the completions are appended to it for the caller's ``finish_chunks``."""
+        The completions are appended to ``done`` for the caller's ``deliver``."""
         engine = self.engine
         pace = w.pace
         for m in msgs:
@@ -334,7 +340,6 @@ class Manager:
         w.pace = pace
         light = [m.data for m in msgs if m.ok and not m.entries]  # nothing in shared memory
         loaded = iter(_wire.loads_each(light, engine.placement) if light else ())
-        done = [] if into is None else into
         for m, chunk in zip(msgs, chunks):
             if m.ok and not m.entries:
                 ok, value = next(loaded)
@@ -349,11 +354,6 @@ class Manager:
                 done.append((chunk, ok, value))
             del value
         del loaded
-        if into is None:
-            try:
-                engine.finish_chunks(done)
-            finally:
-                done.clear()  # no value outlives the call here (slots go back when their arrays die)
         self.finished_any = True  # the loop dispatches what the freed places allow
 
     def decode(self, w: WorkerRec, msg: _protocol.Result) -> tuple[bool, Any]:
