@@ -126,6 +126,63 @@ def test_first_error_aborts_pending_with_remote_traceback(tmp_path):
     assert len(os.listdir(tmp_path)) < 40  # the rest never ran
 
 
+def _nap_then(i, seconds):
+    time.sleep(seconds)
+    return i
+
+
+def _input_that_fails(n):
+    yield from range(n)
+    raise KeyError("the input generator failed on purpose")
+
+
+def test_ordered_results_wait_on_the_batch_not_on_joblibs_poll(monkeypatch):
+    # Note [no polling]: for a callback backend joblib's result loop sleeps 10 ms per look at a
+    # pending batch; for ordered results this backend has joblib wait on the batch itself.
+    sleeps = []
+
+    class _Time:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds):
+            sleeps.append(seconds)
+            time.sleep(seconds)
+
+    monkeypatch.setattr(joblib.parallel, "time", _Time())
+    with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
+        assert joblib.Parallel(batch_size=1)(joblib.delayed(_nap_then)(i, 0.05) for i in range(8)) == list(range(8))
+        gen = joblib.Parallel(return_as="generator", pre_dispatch=2)(joblib.delayed(_nap_then)(i, 0.02) for i in range(8))
+        assert list(gen) == list(range(8))
+        assert sleeps == []
+        unordered = joblib.Parallel(return_as="generator_unordered")(joblib.delayed(_nap_then)(i, 0.05) for i in range(4))
+        assert sorted(unordered) == list(range(4))  # joblib's callback path (and its poll) for these
+
+
+def test_a_later_batch_failing_ends_the_wait_for_an_earlier_one():
+    # joblib waits for batch 0 (120 s); batch 2 fails at once: its error is raised then, and
+    # the call is aborted (the pool with batch 0 running is terminated), as loky does.
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="task 2 failed on purpose"):
+        joblib.Parallel(n_jobs=2, backend="jaxtransport", batch_size=1)(
+            joblib.delayed(_sleep_then)(i, 120.0 if i == 0 else 0.0) for i in range(6)
+        )
+    assert time.monotonic() - start < 60.0  # not after batch 0's 120 s
+    with joblib.parallel_config(backend="jaxtransport", n_jobs=2):  # the next call: a fresh pool
+        assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(4)) == [0, 1, 2, 3]
+
+
+def test_an_input_generator_that_raises_fails_the_call():
+    # The input raises in the dispatch that a finished batch's callback runs (the Pool's
+    # callback thread): joblib registers that error as a batch of its own.
+    for return_as in ("list", "generator", "generator_unordered"):
+        with pytest.raises(KeyError, match="failed on purpose"):
+            out = joblib.Parallel(n_jobs=2, backend="jaxtransport", batch_size=1, pre_dispatch=2, return_as=return_as)(
+                joblib.delayed(_nap_then)(i, 0.01) for i in _input_that_fails(6)
+            )
+            list(out)
+
+
 def test_timeout_terminates_the_call():
     with pytest.raises(multiprocessing.TimeoutError):  # what joblib raises for every backend
         with joblib.parallel_config(backend="jaxtransport", n_jobs=2):

@@ -17,6 +17,26 @@ pending or running, as loky kills its workers; the next call starts a fresh pool
 with :func:`shutdown`, or at interpreter exit (the Pool's own exit hook terminates it).
 The module lock ``_LOCK`` guards only that slot; nothing is called out while it is held except
 creating the Pool.
+
+Note [no polling]
+~~~~~~~~~~~~~~~~~
+For a backend that completes batches through callbacks (``supports_retrieve_callback``, loky's
+way), joblib's result loop looks at the next batch in order and, while it is pending, sleeps
+10 ms before looking again (``Parallel._retrieve``): a call ends up to 10 ms after its last
+batch, and a short call on large arrays paid that on top of ``Pool.map``'s time. So for ordered
+results (``return_as="list"`` and ``"generator"``, joblib's default) the backend says it does not
+retrieve through callbacks: joblib's thread then waits in :meth:`JaxTransportBackend.retrieve_result`,
+on the call's condition, and wakes when that batch ends. What joblib does for callback backends
+is kept by hand:
+
+- the first batch to fail ends the wait of whichever batch joblib waits for, and its error is
+  raised (joblib then aborts the call), as loky's early error; a failed batch dispatches no more;
+- a batch's completion callback (which dispatches the next batch) runs before the batch is
+  marked done, so joblib never finds its list of jobs empty mid-call (it would sleep 10 ms);
+- ``timeout`` bounds each wait, as joblib bounds a pending batch's.
+
+``return_as="generator_unordered"`` needs joblib's callback path (batches join its list in the
+order they end): for it the backend keeps retrieving through callbacks, and joblib's poll.
 """
 
 from __future__ import annotations
@@ -138,13 +158,25 @@ def shutdown(wait: bool = True) -> None:
         _drop_pool(pool, terminate=not wait)
 
 
-class _Job:
-    """What ``submit`` returns and joblib's completion callback receives: the outcome of one
-    batch, set by the Pool's callback thread before joblib's callback runs."""
+class _Call:
+    """One ``Parallel`` call's completions (Note [no polling]): the condition its result wait
+    sleeps on and the first batch of the call that failed."""
 
-    __slots__ = ("done", "error", "value")
+    __slots__ = ("cond", "failed")
 
     def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.failed: _Job | None = None
+
+
+class _Job:
+    """What ``submit`` returns and joblib's completion callback receives: the outcome of one
+    batch, set by the Pool's callback thread."""
+
+    __slots__ = ("call", "done", "error", "value")
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -193,8 +225,9 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
     loky's.
     """
 
-    supports_retrieve_callback = True
     supports_inner_max_num_threads = True
+    supports_return_generator = True
+    supports_timeout = True
     default_n_jobs = 1
 
     def __init__(self, nesting_level: int | None = None, inner_max_num_threads: int | None = None, **options: Any):
@@ -210,6 +243,14 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         self._broken = False  # the pool reported PoolStateError: terminate it at the abort
         self._jobs_lock = threading.Lock()
         self._jobs: set[_Job] = set()
+        self._call = _Call()
+        self.parallel: Any = None
+
+    @property
+    def supports_retrieve_callback(self) -> bool:
+        """Callbacks only for unordered results; joblib waits in :meth:`retrieve_result` for
+        ordered ones (Note [no polling])."""
+        return self.parallel is not None and not getattr(self.parallel, "return_ordered", True)
 
     def effective_n_jobs(self, n_jobs: int | None) -> int:
         """The number of workers ``n_jobs`` asks for (negative: ``cpu_count() + 1 + n_jobs``), 1
@@ -274,18 +315,27 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         """
         if self._pool is None:
             raise RuntimeError("the jaxtransport backend is not configured (joblib calls configure first)")
-        job = _Job()
+        call = self._call
+        job = _Job(call)
         pool = self._pool
+        by_callback = self.supports_retrieve_callback
 
         def finish(value: Any = None, error: BaseException | None = None) -> None:
-            job.value, job.error, job.done = value, error, True
+            job.value, job.error = value, error
             if isinstance(error, PoolStateError):
                 self._broken = True
                 _forget(pool)
             with self._jobs_lock:
                 self._jobs.discard(job)
-            if callback is not None:
-                callback(job)
+            try:
+                if callback is not None and (by_callback or error is None):
+                    callback(job)  # joblib dispatches the next batch (Note [no polling])
+            finally:
+                with call.cond:
+                    job.done = True
+                    if error is not None and call.failed is None:
+                        call.failed = job
+                    call.cond.notify_all()
 
         with self._jobs_lock:
             self._jobs.add(job)
@@ -311,6 +361,24 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
                 self._jobs.discard(job)
             raise
         return job
+
+    def start_call(self) -> None:
+        """Each ``Parallel`` call (a managed ``with Parallel(...)`` one configures once for many)
+        waits on its own completions: a late batch of an earlier call cannot fail this one."""
+        self._call = _Call()
+
+    def retrieve_result(self, out: Any, timeout: float | None = None) -> Any:
+        """Wait for the batch ``out`` on joblib's thread (Note [no polling]): its results, or
+        the error of the call's first failed batch as soon as one fails, or TimeoutError
+        after ``timeout`` seconds."""
+        if out is None:  # joblib registered this batch's outcome itself (its input raised)
+            return None
+        call = out.call
+        with call.cond:
+            if not call.cond.wait_for(lambda: out.done or call.failed is not None, timeout):
+                raise multiprocessing.TimeoutError()  # what joblib raises for every backend
+            failed = call.failed
+        return self.retrieve_result_callback(out if failed is None else failed)
 
     def retrieve_result_callback(self, out: Any) -> Any:
         """The batch's results, or its exception (with the worker's traceback as its cause)."""
