@@ -11,6 +11,7 @@ and runs caller threads against them for a few seconds:
 - one thread consumes ``imap`` slowly (the feeder's backpressure);
 - one thread submits with ``callback=``, and the callback calls ``pool.apply`` from the
   pool's callback thread;
+- one thread sends bursts of tiny ``apply_async`` calls, then gets every result;
 - two threads use the Executor (``submit`` on arrays and small values, ``map``).
 
 Meanwhile a chaos thread SIGKILLs workers (a few per round) and SIGSTOPs others for up to half a
@@ -237,6 +238,29 @@ class Round:
                 if not self.check_error("imap", e, True):
                     return
 
+    def bursts(self, pool, seed: int) -> None:
+        """Bursts of tiny apply_async, then every get: on a busy pool the manager sends them
+        (Note [one task on a busy pool] in pool/_engine.py)."""
+        rng = random.Random(seed)
+        while self.running():
+            first = rng.randint(0, 10_000)
+            try:
+                rs = [pool.apply_async(plus_one, (first + k,)) for k in range(rng.randint(20, 400))]
+            except BaseException as e:  # noqa: BLE001
+                if not self.check_error("burst", e, True):
+                    return
+                continue
+            for k, r in enumerate(rs):
+                try:
+                    v = r.get(BOUND_S)
+                except BaseException as e:  # noqa: BLE001
+                    if not self.check_error("burst", e, True):
+                        return
+                    continue
+                if v != first + k + 1:
+                    self.fail(f"burst: item {k} = {v!r}, not {first + k + 1}")
+            self.done("burst", "ok")
+
     def callbacks(self, pool, seed: int) -> None:
         rng = random.Random(seed)
         while self.running():
@@ -313,7 +337,7 @@ def run_round(start_method: str, rng: random.Random, report) -> Round:
         rnd.end = time.monotonic() + ROUND_S
         for name, fn, target in (
             [("apply", rnd.apply_big, pool)] * 3 + [("map", rnd.mapper, pool), ("imap", rnd.imapper, pool),
-                                                    ("callback", rnd.callbacks, pool)]
+                                                    ("callback", rnd.callbacks, pool), ("burst", rnd.bursts, pool)]
             + [("executor", rnd.executor, ex)] * 2
         ):
             threads.append(threading.Thread(target=fn, args=(target, rng.randrange(1 << 30)), daemon=True,

@@ -23,6 +23,8 @@ Threads and what they own (parent process unless said):
   runs with no lock held), then queue the chunk and dispatch it, under the engine's lock. A
   map's chunks that need no shared memory are queued together; dispatch sends each worker its
   tasks that need no segment or tree in one write (one wakeup of the worker, not one per chunk).
+  A single small chunk on a busy pool is only queued: the manager dispatches it (Note [one task
+  on a busy pool] in ``_engine``), so a burst of ``apply_async`` goes out a round at a time.
 - the manager thread: reads every worker's pipe without blocking, watches process sentinels,
   decodes results, replaces dead workers, takes unstarted chunks back from a stalled worker
   (Note [taking back a chunk] in ``_worker``), passes on releases every ``RELEASE_FLUSH_S``.
@@ -31,7 +33,8 @@ Threads and what they own (parent process unless said):
   grow with the number of workers; a run of results leaves the books under one acquisition
   of the engine's lock, its small results are unpickled together, each result object gets
   its chunks of the run in one call (one acquisition of its lock, one wakeup of its waiter),
-  and one dispatch follows each round of reads (every worker whose pipe was ready).
+  and one dispatch follows each round of reads (every worker whose pipe was ready) and each
+  wake a caller asked for with a queued chunk.
   It never writes to a pipe and never runs user code, so no worker and no callback can stall it.
 - one sender thread per worker: the only thread that may block writing to that worker (a busy,
   slow or SIGSTOPped worker stalls only its own sender); ``Sender.post`` writes directly when

@@ -3,6 +3,19 @@
 Its parts, their threads and the lock order are drawn in the package docstring (Note [pool
 engine]). Finalizers never take the engine's lock (see
 ``TreeBook.queue_release`` and ``terminate_unreferenced``).
+
+Note [one task on a busy pool]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A single small chunk (``apply_async``, ``submit``, an imap chunk fed one at a time) sent to a
+pool where any chunk is in flight is queued, and the manager thread dispatches what is queued
+at its next wake (``dispatch_asked``, set under the lock; one write to the wake pipe when it
+goes from False to True). Sending it from the calling thread, as before, made a burst of
+``apply_async`` on many workers hand the GIL and the engine's lock back and forth with the
+manager for every task (each ``sendmsg`` releases the GIL; each woke a worker that had just gone
+idle): bimodal runs, 60-80 us per task in the bad ones at 16 workers. Queued, a burst is sent by
+the manager in one write per worker per round, as ``multiprocessing.Pool``'s task thread sends
+it. On an idle pool the caller still sends at once (a lone ``apply`` pays no thread hop); a
+chunk with shared memory or a tree, and a map's chunks, are dispatched at once as before.
 """
 
 from __future__ import annotations
@@ -118,6 +131,7 @@ class Engine:
         self.imap_need = 0  # chunks to finish or be consumed before a waiting feeder has room
         self.callbacks = CallbackRunner()
         self.wake_r, self.wake_w = os.pipe()
+        self.dispatch_asked = False  # the manager dispatches at its next wake (Note [one task on a busy pool])
         os.set_blocking(self.wake_w, False)
         self._released = False
         self.manager = None
@@ -329,8 +343,9 @@ class Engine:
         self._enqueue(chunks)
 
     def _enqueue(self, chunks: list) -> None:
-        """Queue committed chunks and dispatch them (their slots are released if the pool
-        stopped meanwhile)."""
+        """Queue committed chunks and dispatch them, or have the manager dispatch them (Note
+        [one task on a busy pool]); their slots are released if the pool stopped meanwhile."""
+        wake = False
         with self.lock:
             if self.flags.stopped:
                 for chunk in chunks:
@@ -341,7 +356,16 @@ class Engine:
                 if chunk.trees:
                     self.trees.use(chunk.trees)
             self.scheduler.add_many(chunks)
-            self.dispatch()
+            if (
+                len(chunks) == 1
+                and chunks[0].small
+                and (self.dispatch_asked or any(w.outstanding for w in self.workers))
+            ):
+                wake, self.dispatch_asked = not self.dispatch_asked, True
+            else:
+                self.dispatch()
+        if wake:
+            self.wake()
 
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to workers that may take them and post them."""

@@ -58,7 +58,8 @@ def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
 class Books(Protocol):
     """What the manager reads and asks of the part that owns it (the engine, ``_engine``): the
     books under ``lock`` (the scheduler, the worker list, the tree book), the arena, the flags,
-    the wake pipe's read end, and the actions below. The manager never names the engine's type."""
+    the wake pipe's read end, whether a caller asked for a dispatch, and the actions below. The
+    manager never names the engine's type."""
 
     @property
     def lock(self) -> Any: ...  # the engine's RLock over the books
@@ -76,6 +77,8 @@ class Books(Protocol):
     def wake_r(self) -> int: ...
     @property
     def placement(self) -> str: ...
+
+    dispatch_asked: bool  # a caller queued a chunk for the manager to dispatch (lock held to set or clear)
 
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to the workers that may take them."""
@@ -201,9 +204,10 @@ class Manager:
                     self.read_from(w)
                     self.worker_exited(w)
             self.flush_results()
-            if self.finished_any:  # once per round of events, not per worker or result
+            if self.finished_any or engine.dispatch_asked:  # once per round of events
                 self.finished_any = False
                 with engine.lock:
+                    engine.dispatch_asked = False
                     engine.dispatch()
             now = time.monotonic()
             if now - last_stall_check >= STALL_CHECK_S:  # a scan over the workers: not per message
