@@ -183,29 +183,6 @@ def test_an_input_generator_that_raises_fails_the_call():
             list(out)
 
 
-def test_ctrl_c_while_waiting_on_a_batch_ends_the_call_and_the_next_one_works():
-    # joblib's thread waits on the batch (Note [no polling]): a SIGINT there raises
-    # KeyboardInterrupt at once, the call is aborted (its running tasks' pool terminated).
-    code = textwrap.dedent(
-        """
-        import os, signal, threading, time, joblib
-        import jaxtransport.joblib as jtj
-        jtj.register()
-        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        t0 = time.monotonic()
-        try:
-            joblib.Parallel(n_jobs=2, backend="jaxtransport")(joblib.delayed(time.sleep)(100) for _ in range(4))
-        except KeyboardInterrupt:
-            print("interrupted", time.monotonic() - t0 < 60)
-        with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
-            print(joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(3)))
-        """
-    )
-    out = run_python(code, timeout=200)
-    assert out.returncode == 0, out.stderr
-    assert "interrupted True" in out.stdout and "[0, 1, 2]" in out.stdout, out.stdout + out.stderr
-
-
 def test_timeout_terminates_the_call():
     with pytest.raises(multiprocessing.TimeoutError):  # what joblib raises for every backend
         with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
