@@ -14,6 +14,10 @@ with ``JAXTRANSPORT_CHECK_LOCKS=raise`` the acquiring thread raises LockOrderErr
 Try-acquires (``blocking=False``) and re-entry of an RLock the thread holds cannot deadlock
 and are not checked; a condition's ``wait`` releases and takes its lock again through the
 wrapper, so a wait under another lock is checked like any acquire.
+
+A debug tool, not safe against asynchronous exceptions: a KeyboardInterrupt raised between
+the wrapped lock's acquire and its bookkeeping leaves the lock held (the next thread to want
+it waits for ever). Tests that interrupt a process (Ctrl-C) run it with the checker off.
 """
 
 from __future__ import annotations

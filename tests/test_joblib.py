@@ -183,6 +183,34 @@ def test_an_input_generator_that_raises_fails_the_call():
             list(out)
 
 
+def test_ctrl_c_while_waiting_on_a_batch_ends_the_call_and_the_next_one_works():
+    # joblib's thread waits on the batch (Note [no polling]): a SIGINT there raises
+    # KeyboardInterrupt at once and the call is aborted (its running tasks' pool terminated).
+    # The child puts SIGINT back to Python's default (a test run started in the background has
+    # it ignored, inherited across exec) and runs without the debug lock checker (not safe
+    # against an exception raised inside its acquire; see test_pool_lifecycle's Ctrl-C test).
+    code = textwrap.dedent(
+        """
+        import faulthandler, os, signal, threading, time, joblib
+        import jaxtransport.joblib as jtj
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        faulthandler.dump_traceback_later(100, exit=True)
+        jtj.register()
+        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            joblib.Parallel(n_jobs=2, backend="jaxtransport")(joblib.delayed(time.sleep)(100) for _ in range(4))
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic() - t0 < 60, flush=True)
+        with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
+            print(joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(3)), flush=True)
+        """
+    )
+    out = run_python(code, env={"JAXTRANSPORT_CHECK_LOCKS": "0"}, timeout=200)
+    assert out.returncode == 0, out.stderr
+    assert "interrupted True" in out.stdout and "[0, 1, 2]" in out.stdout, out.stdout + out.stderr
+
+
 def test_timeout_terminates_the_call():
     with pytest.raises(multiprocessing.TimeoutError):  # what joblib raises for every backend
         with joblib.parallel_config(backend="jaxtransport", n_jobs=2):

@@ -238,6 +238,47 @@ except KeyboardInterrupt:
     bounded(90)
 
 
+def test_ctrl_c_at_random_moments_of_apply_async_bursts_never_leaves_a_lock_held(bounded):
+    # 150 SIGINTs, each at a random moment of a loop of apply_async bursts: the
+    # KeyboardInterrupt lands wherever the caller is (dispatch, the engine's lock, a wait, the
+    # busy-pool queue of Note [one task on a busy pool]); the pool must keep working and exit
+    # cleanly. The debug lock checker is off in this child: its Python-level acquire is not safe
+    # against an exception raised between taking a lock and recording it (it would leave the
+    # lock held; the package's own locks are threading's).
+    shm_before = shm_entries()
+    code = """
+import faulthandler, os, random, signal, threading, jaxtransport as jt
+faulthandler.dump_traceback_later(60, exit=True)
+def f(x):
+    return x + 1
+if __name__ == "__main__":
+    hits = 0
+    with jt.Pool(2) as p:
+        p.apply(f, (1,))
+        for k in range(150):
+            t = threading.Timer(random.uniform(0.0005, 0.02), lambda: os.kill(os.getpid(), signal.SIGINT))
+            try:
+                t.start()
+                while True:
+                    assert [r.get(30) for r in [p.apply_async(f, (i,)) for i in range(50)]] == list(range(1, 51))
+            except KeyboardInterrupt:
+                hits += 1
+            try:
+                t.join()
+            except KeyboardInterrupt:
+                hits += 1
+        print("INTERRUPTS", hits, "THEN", p.apply(f, (41,)), flush=True)
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAXTRANSPORT_CHECK_LOCKS="0")
+    proc = popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "INTERRUPTS 150 THEN 42" in out, out + err
+    assert not _pool_like(shm_entries() - shm_before)  # nothing left in /dev/shm
+    bounded(120)
+
+
 def test_parent_killed_workers_follow(bounded):
     shm_before = shm_entries()
     code = """
