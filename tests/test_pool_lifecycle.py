@@ -178,8 +178,8 @@ def _script_workers(proc, timeout=60):
     raise AssertionError(f"script did not report its workers: {proc.stderr.read()}")
 
 
-def _spawn_script(code: str):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def _spawn_script(code: str, **extra_env: str):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **extra_env)
     return popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)
 
@@ -269,9 +269,7 @@ if __name__ == "__main__":
                 hits += 1
         print("INTERRUPTS", hits, "THEN", p.apply(f, (41,)), flush=True)
 """
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAXTRANSPORT_CHECK_LOCKS="0")
-    proc = popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
+    proc = _spawn_script(code, JAXTRANSPORT_CHECK_LOCKS="0")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "INTERRUPTS 150 THEN 42" in out, out + err
