@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -64,6 +67,8 @@ def test_the_linux_path_is_the_default_here():
 def test_each_path_is_chosen(env, want):
     d = _describe(_simulated(env) if isinstance(env, str) else env)
     assert (d["mode"], d["segments"], d["messages"], d["fd_passing"]) == want
+    # The Pool's pipes (Note [pipe io]): POSIX I/O on both Unix columns, sockets on Windows's.
+    assert d["pipes"] == ("posix" if d["fd_passing"] else "sockets")
     assert d["shared_lock"] == "multiprocessing.Lock" and d["proc"] is False
     if d["segments"] == "posix":
         assert d["populate"] == "touch"
@@ -260,6 +265,104 @@ def test_pool_executor_and_queues_in_band_warn_once_with_the_reason(tmp_path):
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
     assert "WARNINGS 1" in proc.stdout and "cannot pass file descriptors" in proc.stdout
     assert shm_entries() == before
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_pool_executor_and_queues_on_the_windows_pipes_by_the_switch(tmp_path, method):
+    """``JAXTRANSPORT_PLATFORM=inband`` takes the Windows column whole, its socket pipes
+    included (Note [pipe io]), with either start method."""
+    before = shm_entries()
+    proc = _run_round_trip(tmp_path, method, {"JAXTRANSPORT_PLATFORM": "inband"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
+    assert "WARNINGS 1" in proc.stdout and "JAXTRANSPORT_PLATFORM=inband is set" in proc.stdout
+    assert shm_entries() == before
+
+
+def test_on_the_simulated_windows_a_busy_worker_follows_its_killed_parent():
+    """Where ``os.kill`` terminates (Windows), a worker watches its parent's sentinel: the
+    simulation's ``os.kill`` kills whatever the signal, so a ``kill(pid, 0)`` probe would have
+    killed the parent at the pool's start."""
+    code = textwrap.dedent(
+        """
+        import os, time, jaxtransport as jt
+        if __name__ == "__main__":
+            p = jt.Pool(2)
+            pids = set()
+            while len(pids) < 2:  # each worker's pid (a task each: both started)
+                pids |= set(p.map(lambda _: (time.sleep(0.05), os.getpid())[1], range(8), chunksize=1))
+            print("PIDS", *sorted(pids), flush=True)
+            p.apply_async(time.sleep, (120,))  # a worker busy: only its watchdog can see the parent go
+            time.sleep(1.0)
+            print("READY", flush=True)
+            time.sleep(120)
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **_simulated("windows"))
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        pids: list[int] = []
+        for line in proc.stdout:
+            if line.startswith("PIDS"):
+                pids = [int(x) for x in line.split()[1:]]
+            if line.startswith("READY"):
+                break
+        assert len(pids) == 2 and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else pids
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "a worker outlived its killed parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_the_windows_simulation_takes_posix_io_from_jaxtransport():
+    """What ``_simulate._hide_posix_io`` says it takes away, and that jaxtransport's liveness
+    probe never signals a process there (the simulated ``os.kill`` would kill it)."""
+    code = textwrap.dedent(
+        """
+        import os, select, socket, subprocess, sys, textwrap, time
+        assert not hasattr(select, "poll") and not hasattr(os, "writev") and not hasattr(os, "killpg")
+        assert not hasattr(socket, "MSG_DONTWAIT")
+        from jaxtransport import _os
+        assert not _os.posix_io() and not _os.kill_probes()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        assert _os.process_token(child.pid) == 0
+        time.sleep(0.2)
+        assert child.poll() is None, "the liveness probe killed the process"
+        probe = '''
+            a, b = socket.socketpair()
+            calls = (lambda: os.write(a.fileno(), b"x"), lambda: a.sendmsg([b"x"]),
+                     lambda: select.select([os.pipe()[0]], [], [], 0))
+            for call in calls:
+                try:
+                    call()
+                except (OSError, AttributeError):
+                    pass
+                else:
+                    raise AssertionError("not hidden from jaxtransport")
+            os.kill(child.pid, 0)
+        '''
+        ns = {"__name__": "jaxtransport.probe", "os": os, "socket": socket, "select": select, "child": child}
+        exec(textwrap.dedent(probe), ns)  # as jaxtransport's own code
+        assert child.wait(10) != 0  # os.kill from jaxtransport terminates, as on Windows
+        print("ok")
+        """
+    )
+    proc = run_python(code, env=_simulated("windows"))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
 
 
 def test_the_codec_register_and_the_ray_serializers_need_no_shared_memory():

@@ -16,6 +16,9 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
   inside the pickles).
 - the take-back lock (``_locks``): Linux ``sem_init(pshared=1)`` in shared memory; elsewhere a
   ``multiprocessing`` lock.
+- the Pool's pipes (``_pipes``, Note [pipe io]): POSIX ``select.poll``, ``sendmsg`` with
+  ``MSG_DONTWAIT``, ``writev`` over ``multiprocessing`` Pipes; elsewhere (Windows, and in-band)
+  socket pairs, non-blocking sockets, ``select()`` and ``multiprocessing.connection.wait``.
 - CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity``, ``/proc``, pidfd;
   elsewhere ``os.cpu_count``, ``sysconf``, ``kill(pid, 0)``.
 
@@ -30,6 +33,7 @@ import threading
 import warnings
 
 from ._channels import (
+    DONTWAIT,
     fd_passing,
     framing,
     is_stream,
@@ -42,6 +46,22 @@ from ._channels import (
 )
 from ._locks import SEM_BYTES, SemLock, init_semaphore, semaphores
 from ._mode import ENV, mode
+from ._pipes import (
+    IOV,
+    Poller,
+    Wake,
+    advance,
+    kill_probes,
+    nowait_receiver,
+    nowait_sender,
+    parent_socket,
+    posix_io,
+    send_some,
+    wait_readable,
+    worker_pipe,
+    worker_reader_socket,
+    worker_writer,
+)
 from ._procinfo import cpu_count, free_memory, has_proc, nvidia_gpu_count, process_token, wait_for_exit
 from ._segments import (
     PAGE,
@@ -57,12 +77,17 @@ from ._segments import (
 )
 
 __all__ = [
+    "DONTWAIT",
     "ENV",
     "IN_BAND_THRESHOLD",
+    "IOV",
     "PAGE",
     "SEM_BYTES",
+    "Poller",
     "SemLock",
+    "Wake",
     "addr",
+    "advance",
     "can_grow",
     "capacity_failure",
     "cpu_count",
@@ -77,11 +102,16 @@ __all__ = [
     "in_band",
     "init_semaphore",
     "is_stream",
+    "kill_probes",
     "message_socketpair",
     "mode",
+    "nowait_receiver",
+    "nowait_sender",
     "nvidia_gpu_count",
+    "parent_socket",
     "populate",
     "populate_method",
+    "posix_io",
     "process_token",
     "recv_fd",
     "recv_message",
@@ -89,9 +119,14 @@ __all__ = [
     "semaphores",
     "send_fd",
     "send_message",
+    "send_some",
     "stream_locks",
     "wait_for_exit",
+    "wait_readable",
     "warn_in_band",
+    "worker_pipe",
+    "worker_reader_socket",
+    "worker_writer",
 ]
 
 
@@ -140,6 +175,7 @@ def describe() -> dict:
         "populate": populate_method() if segment_kind() else "-",
         "messages": framing(),
         "fd_passing": fd_passing(),
+        "pipes": "posix" if posix_io() else "sockets",
         "shared_lock": "sem_init" if semaphores() is not None else "multiprocessing.Lock",
         "proc": has_proc(),
         "cpus": cpu_count(),

@@ -27,6 +27,7 @@ from typing import Any
 from . import _mode
 
 __all__ = [
+    "DONTWAIT",
     "fd_passing",
     "framing",
     "is_stream",
@@ -39,6 +40,10 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<Q")
+# The flag that makes one send or receive not wait: MSG_DONTWAIT where the OS has it; elsewhere
+# (Windows) a bit of our own, which only streams take (a send raises, a receive checks first).
+DONTWAIT: int = getattr(socket, "MSG_DONTWAIT", 1 << 30)
+_REAL_DONTWAIT = hasattr(socket, "MSG_DONTWAIT")
 MAX_MESSAGE = 1 << 40  # a longer length in a stream's header is garbage, not a message
 
 
@@ -69,7 +74,10 @@ def message_socketpair() -> tuple[socket.socket, socket.socket]:
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if fd_passing():
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    return socket.socketpair()
+    from ._pipes import no_delay
+
+    a, b = no_delay(*socket.socketpair())  # a TCP pair on Windows: no Nagle between header and body
+    return a, b
 
 
 def is_stream(sock: socket.socket) -> bool:
@@ -100,7 +108,7 @@ def _fds_of(anc) -> list[int]:
 
 
 def send_message(sock: socket.socket, payload: bytes, fds=(), flags: int = 0) -> None:
-    """Send one message with ``fds``. ``flags`` may hold MSG_DONTWAIT: BlockingIOError when
+    """Send one message with ``fds``. ``flags`` may hold :data:`DONTWAIT`: BlockingIOError when
     it cannot all go at once. On a stream a message once begun must be sent to its end, and
     only the kernel knows whether it will fit, so there MSG_DONTWAIT always raises
     BlockingIOError (the caller's feeder thread sends it, as ``multiprocessing.Queue``'s does):
@@ -108,7 +116,7 @@ def send_message(sock: socket.socket, payload: bytes, fds=(), flags: int = 0) ->
     if not is_stream(sock):
         sock.sendmsg([payload], _anc(fds), flags)
         return
-    if flags & getattr(socket, "MSG_DONTWAIT", 0):
+    if flags & DONTWAIT:
         raise BlockingIOError(errno.EAGAIN, "a stream message is sent whole, by a thread that may block")
     head = _LEN.pack(len(payload))
     if fds:
@@ -147,7 +155,7 @@ def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> b
 
 def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
     """One message: ``(bytes, fds, truncated)``; ``(b"", [], False)`` at end of stream.
-    ``flags`` may hold MSG_DONTWAIT (BlockingIOError when none has begun). A packet longer
+    ``flags`` may hold :data:`DONTWAIT` (BlockingIOError when none has begun). A packet longer
     than ``bufsize`` is truncated (and says so); a stream message is read whole. ValueError
     (its fds closed) for a stream header no message has: something else wrote to the stream,
     and unlike packets, the messages after it cannot be found again."""
@@ -155,6 +163,10 @@ def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0)
     if not is_stream(sock):
         msg, anc, mflags, _ = sock.recvmsg(bufsize, cmsg, flags)
         return msg, _fds_of(anc), bool(mflags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+    if flags & DONTWAIT and not _REAL_DONTWAIT:  # no per-call flag here: look first
+        if not select.select([sock], [], [], 0)[0]:
+            raise BlockingIOError(errno.EAGAIN, "no message has begun")
+        flags &= ~DONTWAIT
     head, anc, mflags, _ = sock.recvmsg(_LEN.size, cmsg, flags) if cmsg else (sock.recv(_LEN.size, flags), [], 0, None)
     fds = _fds_of(anc)
     if not head:

@@ -1,5 +1,6 @@
 """CPU count, free memory and process liveness: from Linux's ``/proc`` and ``sched_getaffinity``
-where they exist, from ``os.sysconf``, ``os.cpu_count`` and ``os.kill(pid, 0)`` elsewhere.
+where they exist, from ``os.sysconf``, ``os.cpu_count`` and ``os.kill(pid, 0)`` on other POSIX
+hosts, from ``multiprocessing``'s process sentinels where ``os.kill`` is no probe (Windows).
 
 Every read of ``/proc`` and ``/sys`` in jaxtransport goes through this module, so a host without
 them (macOS) or a test hiding them takes the portable answers."""
@@ -7,8 +8,10 @@ them (macOS) or a test hiding them takes the portable answers."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from . import _mode
+from ._pipes import kill_probes
 
 __all__ = ["cpu_count", "free_memory", "has_proc", "nvidia_gpu_count", "process_token", "wait_for_exit"]
 
@@ -120,10 +123,14 @@ def _proc_start(pid: int) -> int | None:
 def process_token(pid: int) -> int | None:
     """A token of the live process ``pid`` (None when it is gone): two reads return the same
     token only for the same process. Linux: its start time (clock ticks since boot), so a
-    reused pid reads differently. Elsewhere: 0 while a process of that pid exists
-    (``os.kill(pid, 0)``): a reused pid is not told apart there."""
+    reused pid reads differently. Other POSIX hosts: 0 while a process of that pid exists
+    (``os.kill(pid, 0)``): a reused pid is not told apart there. Where ``os.kill`` is no
+    probe (Windows: it terminates), 0: taken as alive (only shared-memory slots ask, and
+    there are none there)."""
     if has_proc():
         return _proc_start(pid)
+    if not kill_probes():
+        return 0
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -135,9 +142,11 @@ def process_token(pid: int) -> int | None:
     return 0
 
 
-def wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
-    """Block until process ``pid`` is gone: a pidfd where the OS has one (Linux 5.3+), else a
-    ``kill(pid, 0)`` every ``poll_s`` seconds."""
+def wait_for_exit(pid: int, poll_s: float = 0.5, sentinel: Any = None) -> None:
+    """Block until process ``pid`` is gone: a pidfd where the OS has one (Linux 5.3+), else
+    ``sentinel`` (``multiprocessing``'s sentinel of that process, readable once it is gone)
+    where ``os.kill`` is no probe (Windows), else a ``kill(pid, 0)`` every ``poll_s``
+    seconds. Never returns where none of these can tell."""
     fd = None
     pidfd_open = getattr(os, "pidfd_open", None)
     if pidfd_open is not None and _mode.mode() == _mode.AUTO:
@@ -149,6 +158,15 @@ def wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
         import select
 
         select.select([fd], [], [])
+        return
+    if not kill_probes():
+        if sentinel is None:
+            import threading
+
+            threading.Event().wait()  # nothing tells here: never report the process gone
+        from multiprocessing.connection import wait
+
+        wait([sentinel])
         return
     import time
 

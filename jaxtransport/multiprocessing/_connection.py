@@ -12,13 +12,12 @@ import io
 import pickle
 import socket
 import time
-from multiprocessing import reduction as _reduction
 from typing import Any
 
 from .. import _wire
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
-from ._sockets import check_options, socket_from, socketpair, take_packet, wait_readable
+from ._sockets import check_options, socket_from, socket_handle, socketpair, take_packet, wait_readable
 
 __all__ = ["Connection", "Pipe"]
 
@@ -52,7 +51,7 @@ class Connection:
         sock = self._check_closed()
         return (
             _rebuild_connection,
-            (_reduction.DupFd(sock.fileno()), self._readable, self._writable, self._threshold, self._placement),
+            (socket_handle(sock), self._readable, self._writable, self._threshold, self._placement),
         )
 
     @property

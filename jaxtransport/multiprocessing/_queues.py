@@ -24,7 +24,6 @@ import threading
 import time
 import weakref
 from multiprocessing import context as _mpcontext
-from multiprocessing import reduction as _reduction
 from multiprocessing import util as _util
 from typing import Any
 
@@ -32,7 +31,7 @@ from .. import _os
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 from ._methods import std_context
-from ._sockets import check_options, socket_from, socketpair, take_packet, wait_readable
+from ._sockets import check_options, socket_from, socket_handle, socketpair, take_packet, wait_readable
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
@@ -85,8 +84,8 @@ class Queue:
             self._maxsize,
             self._threshold,
             self._placement,
-            _reduction.DupFd(self._writer.fileno()),
-            _reduction.DupFd(self._reader.fileno()),
+            socket_handle(self._writer),
+            socket_handle(self._reader),
             self._sem,
             self._opid,
             self._rlock,
@@ -321,8 +320,8 @@ class SimpleQueue:
         return (
             self._threshold,
             self._placement,
-            _reduction.DupFd(self._writer.fileno()),
-            _reduction.DupFd(self._reader.fileno()),
+            socket_handle(self._writer),
+            socket_handle(self._reader),
             self._rlock,
             self._wlock,
         )

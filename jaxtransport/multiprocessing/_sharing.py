@@ -405,7 +405,7 @@ def send_packet(
 
 def _send_packet(sock: socket.socket, out: Outgoing, timeout: float | None, nowait: bool) -> None:
     if nowait:
-        _os.send_message(sock, out.packet, out.fds, socket.MSG_DONTWAIT)
+        _os.send_message(sock, out.packet, out.fds, _os.DONTWAIT)
         out.sent()
         return
     if timeout is None:
@@ -417,7 +417,7 @@ def _send_packet(sock: socket.socket, out: Outgoing, timeout: float | None, nowa
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _os.send_message(sock, out.packet, out.fds, socket.MSG_DONTWAIT)
+            _os.send_message(sock, out.packet, out.fds, _os.DONTWAIT)
             out.sent()
             return
         except BlockingIOError:
@@ -522,7 +522,7 @@ def recv_packet(sock: socket.socket, nowait: bool = False) -> tuple[bytes, list[
     BlockingIOError (``nowait``) when there is none, TransportError (fds closed) for a
     truncated packet."""
     try:
-        msg, got, truncated = _os.recv_message(sock, RECV_BUF, MAX_FDS, socket.MSG_DONTWAIT if nowait else 0)
+        msg, got, truncated = _os.recv_message(sock, RECV_BUF, MAX_FDS, _os.DONTWAIT if nowait else 0)
     except ValueError as e:  # a garbled stream (Note [message framing] in _os)
         raise _garbage(str(e)) from None
     if truncated:

@@ -14,7 +14,7 @@ from typing import Any
 from .. import _nojax, _os
 from . import _sharing
 
-__all__ = ["check_options", "socket_from", "socketpair", "take_packet", "wait_readable"]
+__all__ = ["check_options", "socket_from", "socket_handle", "socketpair", "take_packet", "wait_readable"]
 
 
 def check_options(shm_threshold: Any, placement: Any) -> None:
@@ -70,6 +70,20 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     return _os.message_socketpair()
 
 
-def socket_from(df: Any) -> socket.socket:
-    """The socket of an fd inherited through ``multiprocessing.reduction.DupFd``."""
-    return socket.socket(fileno=df.detach())
+def socket_handle(sock: socket.socket) -> Any:
+    """What pickles ``sock`` for a spawned process (:func:`socket_from` rebuilds it): a
+    ``multiprocessing.reduction.DupFd`` of its fd where fds pass between processes (Unix),
+    else the socket itself, which ``multiprocessing``'s own reducer pickles (``DupSocket`` on
+    Windows, where there is no ``DupFd``)."""
+    if _os.fd_passing():
+        from multiprocessing import reduction
+
+        return reduction.DupFd(sock.fileno())
+    return sock
+
+
+def socket_from(handle: Any) -> socket.socket:
+    """The socket :func:`socket_handle` pickled."""
+    if isinstance(handle, socket.socket):
+        return handle
+    return socket.socket(fileno=handle.detach())

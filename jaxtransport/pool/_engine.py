@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _lockorder, _procenv, _shm, _wire
+from .. import _lockorder, _os, _procenv, _shm, _wire
 from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
 from .._nojax import first_tracer
 from .._shm import Handle
@@ -130,9 +130,8 @@ class Engine:
         self.imap_waiting = 0  # imap feeders waiting on space (a hint for imap_progress)
         self.imap_need = 0  # chunks to finish or be consumed before a waiting feeder has room
         self.callbacks = CallbackRunner()
-        self.wake_r, self.wake_w = os.pipe()
+        self.waker = _os.Wake()  # the manager's self-pipe
         self.dispatch_asked = False  # the manager dispatches at its next wake (Note [one task on a busy pool])
-        os.set_blocking(self.wake_w, False)
         self._released = False
         self.manager = None
         try:
@@ -194,13 +193,7 @@ class Engine:
         )
 
     def wake(self) -> None:
-        fd = self.wake_w
-        if fd < 0:
-            return  # closed: never write to a number the OS may have reused
-        try:
-            os.write(fd, b"x")
-        except OSError:
-            pass
+        self.waker.set()
 
     def new_segments(self, w: WorkerRec, seg_ids) -> list:
         """Lock held: (seg_id, size, fd) of the segments ``w`` has not received yet, now marked
@@ -611,12 +604,7 @@ class Engine:
             close_worker(w)
         self.callbacks.close()
         self.arena.close()
-        fds, self.wake_r, self.wake_w = (self.wake_r, self.wake_w), -1, -1
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.waker.close()
         _LIVE.discard(self)
 
 

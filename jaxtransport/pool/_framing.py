@@ -4,14 +4,16 @@ Frames are ``multiprocessing.connection``'s (a 4-byte big-endian length, or -1 a
 length), so either end could still read them with ``Connection.recv_bytes``. The parent's
 ``_senders.Sender`` and ``_senders.FrameReader`` build and parse them with
 :func:`pieces` and :func:`frame_header`; the worker writes with :func:`write_frame` and reads
-with :class:`BufferedFrames`.
+with :class:`BufferedFrames` (the system calls under both: Note [pipe io] in ``_os``).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
+from collections.abc import Callable
+
+from .._os import IOV, advance, wait_readable, worker_reader_socket
 
 __all__ = ["HEADER", "IOV", "BufferedFrames", "advance", "frame_header", "pieces", "write_frame"]
 
@@ -38,7 +40,6 @@ def _head(n: int) -> bytes:
 
 
 _JOIN_BELOW = 64 << 10  # messages smaller than this in all are joined into one buffer
-IOV = 512  # buffers per sendmsg (the system's limit is IOV_MAX, 1024 on Linux)
 
 
 def pieces(payloads: list) -> list:
@@ -60,31 +61,14 @@ def pieces(payloads: list) -> list:
     return out
 
 
-def advance(bufs: list, n: int) -> list:
-    """What is left of ``bufs`` once their first ``n`` bytes are written."""
-    i = 0
-    while i < len(bufs) and n >= len(bufs[i]):
-        n -= len(bufs[i])
-        i += 1
-    rest = bufs[i:]
-    if n:
-        rest[0] = memoryview(rest[0])[n:]
-    return rest
-
-
-def write_frame(fd: int, payload) -> None:
-    """Write one frame (a payload, or its buffers) to the blocking ``fd`` with gathering
-    writes (the worker's results: no copy of a large payload into the frame)."""
+def write_frame(write: Callable[[list], None], payload) -> None:
+    """Write one frame (a payload, or its buffers) with ``write`` (``_os.worker_writer``: whole
+    and in order, gathering buffers where the OS can: no copy of a large payload into the
+    frame)."""
     if type(payload) is bytes and len(payload) < _JOIN_BELOW:  # the common small message
-        frame = HEADER.pack(len(payload)) + payload
-        n = os.write(fd, frame)
-        if n == len(frame):
-            return
-        left = [memoryview(frame)[n:]]
+        write([HEADER.pack(len(payload)) + payload])
     else:
-        left = pieces([payload])
-    while left:  # EINTR is retried by Python itself (PEP 475)
-        left = advance(left, os.writev(fd, left[:IOV]))
+        write(pieces([payload]))
 
 
 class BufferedFrames:
@@ -99,14 +83,15 @@ class BufferedFrames:
 
     CHUNK = 1 << 16
 
-    def __init__(self, fd: int):
+    def __init__(self, conn):
         import select
 
-        self.sock = socket.socket(fileno=os.dup(fd))
-        self.sock.setblocking(True)
+        self.sock = worker_reader_socket(conn)  # blocking (Note [pipe io] in _os)
         self.buf = bytearray()
-        self.poller = select.poll()
-        self.poller.register(self.sock.fileno(), select.POLLIN)
+        self.poller = None
+        if not isinstance(conn, socket.socket):  # a POSIX Pipe's Connection: poll its fd
+            self.poller = select.poll()
+            self.poller.register(self.sock.fileno(), select.POLLIN)
 
     def _recv(self) -> None:
         data = self.sock.recv(self.CHUNK)
@@ -131,7 +116,7 @@ class BufferedFrames:
                     return self._read_large(head, n)
                 self._recv()
                 continue
-            if not buf and timeout is not None and not self.poller.poll(max(0, int(timeout * 1000))):
+            if not buf and timeout is not None and not wait_readable(self.sock, timeout, self.poller):
                 return None
             self._recv()
 

@@ -16,15 +16,13 @@ it reads and changes under their lock, and the few actions it asks for), which t
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
-from .. import _shm, _wire
+from .. import _os, _shm, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
 from .._shm import Handle
 from . import _protocol
@@ -58,7 +56,7 @@ def rebuild_error(report: _protocol.ErrorReport) -> BaseException:
 class Books(Protocol):
     """What the manager reads and asks of the part that owns it (the engine, ``_engine``): the
     books under ``lock`` (the scheduler, the worker list, the tree book), the arena, the flags,
-    the wake pipe's read end, whether a caller asked for a dispatch, and the actions below. The
+    the wake pipe, whether a caller asked for a dispatch, and the actions below. The
     manager never names the engine's type."""
 
     @property
@@ -74,7 +72,7 @@ class Books(Protocol):
     @property
     def trees(self) -> TreeBook: ...
     @property
-    def wake_r(self) -> int: ...
+    def waker(self) -> _os.Wake: ...
     @property
     def placement(self) -> str: ...
 
@@ -146,8 +144,7 @@ class Manager:
 
     def loop(self) -> None:
         engine = self.engine
-        poller = select.poll()
-        registered: dict[int, tuple] = {}
+        poller = _os.Poller()  # select.poll, or connection.wait (Note [pipe io] in _os)
         roster: list = []  # the workers as last registered (the poller is rebuilt when it changes)
         workers: list = []
         last_stall_check = 0.0
@@ -171,33 +168,19 @@ class Manager:
                     self.roster_changed = False
                 if changed:
                     roster = workers
-                    wanted: dict[int, tuple] = {engine.wake_r: ("wake", None)}
+                    wanted: dict[Any, tuple] = {engine.waker.waitable: ("wake", None)}
                     for w in workers:
-                        wanted[w.sock.fileno()] = ("conn", w)
+                        wanted[w.sock] = ("conn", w)
                         wanted[w.sentinel] = ("sentinel", w)
-                    for fd in registered:
-                        try:
-                            poller.unregister(fd)
-                        except (KeyError, ValueError, OSError):
-                            pass
-                    for fd in wanted:
-                        poller.register(fd, select.POLLIN)
-                    registered = wanted
-            try:
-                events = poller.poll(RELEASE_FLUSH_S * 1000)
-            except InterruptedError:
-                events = []
+                    poller.set(wanted)
+            events = poller.poll(RELEASE_FLUSH_S)
             if engine.trees.collected:
                 engine.trees.drain_collected()
-            for fd, _ev in events:
+            for kind, w in events:
                 if flags.terminated:
                     return
-                kind, w = registered.get(fd, (None, None))
                 if kind == "wake":
-                    try:
-                        os.read(engine.wake_r, 4096)
-                    except OSError:
-                        pass
+                    engine.waker.drain()
                 elif kind == "conn" and not w.dead:
                     self.read_from(w)
                 elif kind == "sentinel" and not w.dead:
@@ -540,7 +523,8 @@ class Manager:
         if code is None:
             return "stopped responding (its pipe closed)"
         if code < 0:
+            oom = code == -getattr(signal, "SIGKILL", 9)
             return f"was killed by {signal_name(code)}" + (
-                " (the out-of-memory killer sends SIGKILL: check `dmesg`)" if code == -signal.SIGKILL else ""
+                " (the out-of-memory killer sends SIGKILL: check `dmesg`)" if oom else ""
             )
         return f"exited with code {code} (os._exit() or sys.exit() in the task, or a crash in native code)"

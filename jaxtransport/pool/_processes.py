@@ -12,11 +12,10 @@ import collections
 import os
 import pickle
 import select
-import socket
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _procenv, _shm
+from .. import _os, _procenv, _shm
 from . import _claim
 from ._initargs import InitCall
 from ._senders import FrameReader, Sender
@@ -64,7 +63,7 @@ class WorkerRec:
         self.sentinel = proc.sentinel
         # One socket object over the pipe for both directions: non-blocking reads by the
         # manager, writes by the sender (a socket may be read and written from two threads).
-        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.sock = _os.parent_socket(conn)
         self.mapper = _shm.Mapper(fdsock, label=f"pool worker {proc.pid}")
         self.sender = Sender(self.sock, fdsock, name=f"jaxtransport-pool-sender-{index}")
         self.reader = FrameReader(self.sock)
@@ -125,7 +124,9 @@ class WorkerRec:
     def alive(self) -> bool:
         """False once the process has exited, even before the manager has seen it."""
         try:
-            return not select.select([self.sentinel], [], [], 0)[0]
+            if _os.posix_io():
+                return not select.select([self.sentinel], [], [], 0)[0]
+            return self.proc.is_alive()  # a process handle on Windows: no select() there
         except (OSError, ValueError):
             return False
 
@@ -147,7 +148,7 @@ def start_worker(
     ``config.env``); ``init`` (the
     pool's initializer) is pickled while the process spawns (Note [initargs])."""
     cfg = pickle.dumps(config)
-    conn, child_conn = ctx.Pipe(duplex=True)
+    conn, child_conn = _os.worker_pipe(ctx)
     fdsock, child_sock = _shm.fd_socketpair()
     block = _claim.new_block(ctx)  # multiprocessing's heap: an unlinked file, gone with its users
     proc = ctx.Process(
@@ -206,7 +207,6 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
     stderr is captured: a sentence and the tail of that stderr. Run only once a pool breaks
     (a process start, seconds); bounded by ``timeout`` (its process group is killed then)."""
     import multiprocessing.spawn
-    import signal
     import subprocess
 
     data = multiprocessing.spawn.get_preparation_data("jaxtransport-pool-diagnosis")
@@ -231,14 +231,14 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
     try:
         _, err = proc.communicate(pickle.dumps(data), timeout=timeout)
     except subprocess.TimeoutExpired:
-        _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        _kill_group(proc)
         proc.communicate()
         return (
             f"Running the same start-up again in a fresh interpreter did not finish within {timeout:.0f} s "
             "(the main script runs a long computation at its top level?)."
         )
     finally:
-        _quietly(lambda: os.killpg(proc.pid, signal.SIGKILL))  # anything it left behind
+        _kill_group(proc)  # anything it left behind
     text = err.decode("utf-8", "replace").rstrip()
     if proc.returncode == 0:
         return (
@@ -258,6 +258,18 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
         f"`__mp_main__`, the worker's environment) exited with code {proc.returncode}; the end of its "
         f"stderr:\n{tail}"
     )
+
+
+def _kill_group(proc) -> None:
+    """Kill ``proc`` and its process group (POSIX); the process itself where there are no
+    process groups (Windows)."""
+    import signal
+
+    killpg, sigkill = getattr(os, "killpg", None), getattr(signal, "SIGKILL", None)
+    if killpg is not None and sigkill is not None:
+        _quietly(lambda: killpg(proc.pid, sigkill))
+    else:
+        _quietly(proc.kill)
 
 
 def _quietly(fn: Any) -> None:

@@ -16,15 +16,15 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from .. import _lockorder, _shm
-from ._framing import HEADER, IOV, advance, frame_header, pieces
+from .. import _lockorder, _os, _shm
+from ._framing import HEADER, advance, frame_header, pieces
 
 _RECV = 1 << 20  # the most one non-blocking read of a worker's pipe takes
 
 
-def _send_some(sock: socket.socket, bufs: list, flags: int = 0) -> list:
-    """One ``sendmsg`` of ``bufs``: what is left of them (empty when all went)."""
-    return advance(bufs, sock.sendmsg(bufs[:IOV], (), flags))
+def _send_some(sock: socket.socket, bufs: list) -> list:
+    """One write of ``bufs`` (waiting for room): what is left of them (empty when all went)."""
+    return advance(bufs, _os.send_some(sock, bufs))
 
 
 class Sender:
@@ -32,6 +32,7 @@ class Sender:
 
     def __init__(self, sock: socket.socket, fdsock: socket.socket, name: str):
         self.sock, self.fdsock = sock, fdsock
+        self.send_nowait = _os.nowait_sender(sock)
         self.mutex = _lockorder.lock("Sender.cond")  # guards queue/writing/closed only
         self.cond = threading.Condition(self.mutex)
         self.queue: collections.deque = collections.deque()
@@ -52,7 +53,7 @@ class Sender:
                 return
             if not fds and not self.queue and not self.writing:
                 try:
-                    sent = self.sock.sendmsg(out[:IOV], (), socket.MSG_DONTWAIT)
+                    sent = self.send_nowait(out)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 except OSError:
@@ -119,14 +120,16 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.recv = _os.nowait_receiver(sock)
         self.buf = bytearray()
 
     def read(self) -> tuple[list[bytes], bool]:
         """(the complete frames available now, whether the worker closed its end)."""
         eof = False
+        recv = self.recv
         while True:
             try:
-                data = self.sock.recv(_RECV, socket.MSG_DONTWAIT)
+                data = recv(_RECV)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:

@@ -30,9 +30,15 @@ from .._errors import CorruptTransferError
 
 def _watch_parent(parent_pid: int) -> None:
     """Exit this process as soon as the parent process is gone."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
 
     def run():
-        _os.wait_for_exit(parent_pid)  # a pidfd on Linux, kill(pid, 0) polls elsewhere
+        # A pidfd on Linux, kill(pid, 0) polls on other POSIX hosts, the parent's process
+        # handle on Windows (Note [pipe io] in _os).
+        _os.wait_for_exit(parent_pid, sentinel=sentinel)
         os._exit(3)
 
     if os.getppid() != parent_pid and parent_pid == 1:
@@ -101,10 +107,11 @@ class _Worker:
         from ._framing import BufferedFrames, write_frame
 
         self.write_frame = write_frame
+        self.write = _os.worker_writer(conn)  # whole buffers, in order (Note [pipe io] in _os)
 
         # Buffered reads (Connection.poll builds a selector per call and recv_bytes makes two
         # system calls per message: tens of microseconds per task on the tiny-task path).
-        self.frames = BufferedFrames(conn.fileno())
+        self.frames = BufferedFrames(conn)
         self.placement = cfg.placement
         self.threshold = cfg.threshold
         self.arena = _shm.Arena(cfg.capacity, label=f"pool worker {os.getpid()}")
@@ -132,7 +139,7 @@ class _Worker:
     def send_raw(self, raw) -> None:
         """Send a message already in its wire form (``_protocol.dumps``)."""
         try:
-            self.write_frame(self.conn.fileno(), raw)
+            self.write_frame(self.write, raw)
         except (OSError, EOFError):
             self.parent_gone = True
             raise SystemExit(0) from None

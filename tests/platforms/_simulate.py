@@ -14,11 +14,16 @@ so that jaxtransport must find its portable paths by feature detection, as on ma
   ``SCM_RIGHTS``, no ``fcntl`` module; ``socket.socketpair()`` is a TCP loopback pair (what
   CPython's Windows build gives). Only ``spawn`` works then (forkserver needs Unix sockets).
 
-What is not simulated (jaxtransport still uses it on the simulated hosts, and a real Mac or
-Windows may differ): ``select.poll``, ``os.writev``, ``MSG_DONTWAIT``, ``sendmsg``/``recvmsg``,
-``multiprocessing.reduction.DupFd`` (Windows duplicates handles instead), the kernel's page
-faults and socket buffers, and Python's own platform modules (``_posixshmem`` on Linux is a
-thin layer over the same ``shm_open`` as macOS's, but macOS caps names at 31 bytes).
+  And none of the POSIX I/O Windows lacks (:func:`_hide_posix_io`): no ``select.poll`` or
+  epoll, ``os.writev``, ``os.killpg``, ``MSG_DONTWAIT``; for jaxtransport's own code no
+  ``sendmsg``/``recvmsg``, no ``os.read``/``write``/``dup`` of a socket, ``select()`` of sockets
+  only, and ``os.kill`` that terminates whatever the signal (as Windows' does).
+
+What is not simulated (a real Mac or Windows may differ): how Windows hands a socket to a
+child (``DupSocket``: the simulation's ``multiprocessing`` still pickles sockets with its POSIX
+``DupFd``), process handles (sentinels are still fds), named pipes, the kernel's page faults
+and socket buffers, and Python's own platform modules (``_posixshmem`` on Linux is a thin
+layer over the same ``shm_open`` as macOS's, but macOS caps names at 31 bytes).
 """
 
 import builtins
@@ -142,6 +147,83 @@ def _hide_fd_passing() -> None:
     sys.modules["fcntl"] = None  # import fcntl -> ImportError
 
 
+def _caller_ours(depth: int) -> bool:
+    try:
+        name = sys._getframe(depth + 1).f_globals.get("__name__", "")
+    except ValueError:
+        return False
+    return name == "jaxtransport" or name.startswith("jaxtransport.")
+
+
+class _HiddenFromUs:
+    """A method of ``socket.socket`` that jaxtransport's own code cannot see (AttributeError, as
+    on Windows), while the standard library's POSIX code under the simulation keeps it."""
+
+    def __init__(self, name: str, real):
+        self.name, self.real = name, real
+
+    def __get__(self, obj, cls=None):
+        if _caller_ours(1):
+            raise AttributeError(f"'socket' object has no attribute {self.name!r} (hidden: as on Windows)")
+        return self.real if obj is None else self.real.__get__(obj, cls)
+
+
+def _is_socket(fd) -> bool:
+    import stat
+
+    try:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def _hide_posix_io() -> None:
+    """What Windows has none of: ``select.poll`` (and epoll), ``os.writev``/``readv``,
+    ``os.killpg``, ``MSG_DONTWAIT``, ``sendmsg``/``recvmsg`` (hidden from jaxtransport only:
+    multiprocessing's POSIX code under the simulation still uses them). And what differs for
+    jaxtransport's own calls: a socket is no file descriptor (``os.read``/``write``/``dup`` of
+    one fail with EBADF), ``select()`` takes sockets only (ENOTSOCK), and ``os.kill`` terminates
+    the process whatever the signal number (``os.kill(pid, 0)`` is no probe)."""
+    import select
+    import signal
+
+    for name in ("poll", "epoll", "devpoll", "kqueue"):
+        if hasattr(select, name):
+            delattr(select, name)
+    for name in ("writev", "readv", "killpg"):
+        if hasattr(os, name):
+            delattr(os, name)
+    if hasattr(socket, "MSG_DONTWAIT"):
+        delattr(socket, "MSG_DONTWAIT")
+    for name in ("sendmsg", "recvmsg", "recvmsg_into"):
+        setattr(socket.socket, name, _HiddenFromUs(name, getattr(socket.socket, name)))
+
+    def guard_fd(real):
+        def call(fd, *args):
+            if _caller_ours(1) and _is_socket(fd):
+                raise OSError(errno.EBADF, "a socket is not a file descriptor (as on Windows)")
+            return real(fd, *args)
+
+        return call
+
+    os.read, os.write, os.dup = guard_fd(os.read), guard_fd(os.write), guard_fd(os.dup)
+    real_select, real_kill = select.select, os.kill
+
+    def select_(rlist, wlist, xlist, *timeout):
+        if _caller_ours(1) and not all(_is_socket(f) for f in (*rlist, *wlist, *xlist)):
+            raise OSError(errno.ENOTSOCK, "select() takes sockets only (as on Windows)")
+        return real_select(rlist, wlist, xlist, *timeout)
+
+    def kill(pid, sig):
+        if _caller_ours(1):
+            return real_kill(pid, signal.SIGKILL)  # TerminateProcess, as Windows' os.kill
+        return real_kill(pid, sig)
+
+    select.select = select_
+    os.kill = kill
+
+
 def hide(kind: str) -> None:
     """Take away what Linux adds, as on ``kind`` ("macos" or "windows"; "" does nothing)."""
     if kind not in ("", "macos", "windows"):
@@ -150,3 +232,4 @@ def hide(kind: str) -> None:
         _hide_linux()
     if kind == "windows":
         _hide_fd_passing()
+        _hide_posix_io()
