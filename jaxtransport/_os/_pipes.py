@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import os
 import select
+import selectors
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -193,12 +195,21 @@ class Wake:
 
 class Poller:
     """Waits until some of the registered waitables (fds, sockets, process sentinels) are
-    readable: ``select.poll`` with POSIX I/O, ``multiprocessing.connection.wait`` elsewhere."""
+    readable. With POSIX I/O: one ``select.poll`` over all of them. Elsewhere: a selector kept
+    over the sockets (``select()`` on Windows, which takes sockets only), and the others
+    (process handles) looked at with ``multiprocessing.connection.wait`` when the sockets had
+    nothing, or every :attr:`OTHERS_S` seconds: a worker that dies closes its socket (EOF:
+    readable at once), so its handle is the second word, and a wait over every handle per
+    message (Windows' overlapped reads) would cost more than the message."""
+
+    OTHERS_S = 0.05
 
     def __init__(self) -> None:
-        self._keys: dict[Any, Any] = {}  # waitable -> key
         self._fds: dict[int, Any] = {}  # fd -> key (POSIX)
         self._poll = select.poll() if posix_io() else None
+        self._sel: selectors.BaseSelector | None = None if posix_io() else selectors.DefaultSelector()
+        self._others: dict[Any, Any] = {}  # not a socket -> key (elsewhere)
+        self._others_at = 0.0
 
     def set(self, wanted: dict) -> None:
         """Wait on exactly ``wanted`` (waitable -> key) from now on."""
@@ -213,7 +224,23 @@ class Poller:
                 fd = waitable if isinstance(waitable, int) else waitable.fileno()
                 self._poll.register(fd, select.POLLIN)
                 self._fds[fd] = key
-        self._keys = dict(wanted)
+            return
+        assert self._sel is not None
+        for sk in list(self._sel.get_map().values()):
+            self._sel.unregister(sk.fileobj)
+        self._others = {}
+        for waitable, key in wanted.items():
+            if isinstance(waitable, socket.socket):
+                self._sel.register(waitable, selectors.EVENT_READ, key)
+            else:
+                self._others[waitable] = key
+
+    def close(self) -> None:
+        """Release the selector (its fd, where it has one)."""
+        if self._sel is not None:
+            self._sel.close()
+            self._sel = None
+        self._poll = None
 
     def poll(self, timeout_s: float) -> list:
         """The keys of the waitables ready within ``timeout_s`` seconds (empty: none)."""
@@ -224,14 +251,19 @@ class Poller:
                 return []
             fds = self._fds
             return [fds[fd] for fd, _ev in events if fd in fds]
-        from multiprocessing.connection import wait
-
-        keys = self._keys
+        assert self._sel is not None
         try:
-            ready = wait(list(keys), timeout_s)
+            keys = [sk.data for sk, _ev in self._sel.select(timeout_s)]
         except InterruptedError:
-            return []
-        return [keys[o] for o in ready if o in keys]
+            keys = []
+        if self._others:
+            now = time.monotonic()
+            if not keys or now - self._others_at >= self.OTHERS_S:
+                self._others_at = now
+                from multiprocessing.connection import wait
+
+                keys += [self._others[o] for o in wait(list(self._others), 0)]
+        return keys
 
 
 # -- the worker's side

@@ -143,8 +143,14 @@ class Manager:
                 self.engine.break_pool(err, cause=e)
 
     def loop(self) -> None:
+        poller = _os.Poller()  # select.poll, or a selector and connection.wait (Note [pipe io] in _os)
+        try:
+            self._loop(poller)
+        finally:
+            poller.close()
+
+    def _loop(self, poller: _os.Poller) -> None:
         engine = self.engine
-        poller = _os.Poller()  # select.poll, or connection.wait (Note [pipe io] in _os)
         roster: list = []  # the workers as last registered (the poller is rebuilt when it changes)
         workers: list = []
         last_stall_check = 0.0
