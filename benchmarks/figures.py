@@ -430,12 +430,16 @@ def _platforms() -> None:
         FIGURES[f"platforms.first.{tag}.gbps"] = F("platforms", "gbps", "gbps", name="first_transfer", transport=m)
     FIGURES["platforms.steady.portable.slower"] = Derived(
         ("platforms.steady.portable.ms", "platforms.steady.memfd.ms"), lambda a, b: a / b, "x2")
-    for q, row in (("arg64m", "arg_64MiB"), ("tiny_map", "tiny_map")):
-        FIGURES[f"platforms.{q}.inband.ms"] = F("platforms", "seconds", "ms", name=f"inband_{row}", transport="inband")
-        FIGURES[f"platforms.{q}.mp.ms"] = F("platforms", "seconds", "ms", name=f"inband_{row}",
-                                            transport="multiprocessing.Pool")
-        FIGURES[f"platforms.{q}.ratio"] = F("platforms", "ratio", "x2", name=f"inband_{row}", transport="inband")
+    for prefix, tag in (("inband", ""), ("winsim", "winsim.")):
+        for q, row in (("arg64m", "arg_64MiB"), ("tiny_map", "tiny_map"), ("tiny_apply", "tiny_apply_async")):
+            name = f"{prefix}_{row}"
+            FIGURES[f"platforms.{tag}{q}.inband.ms"] = F("platforms", "seconds", "ms", name=name, transport="inband")
+            FIGURES[f"platforms.{tag}{q}.mp.ms"] = F("platforms", "seconds", "ms", name=name,
+                                                     transport="multiprocessing.Pool")
+            FIGURES[f"platforms.{tag}{q}.ratio"] = F("platforms", "ratio", "x2", name=name, transport="inband")
     FIGURES["platforms.tiny_map.tasks"] = F("platforms", "tasks", "n", name="inband_tiny_map", transport="inband")
+    FIGURES["platforms.tiny_apply.tasks"] = F("platforms", "tasks", "n", name="inband_tiny_apply_async",
+                                              transport="inband")
 
 
 def _previous() -> None:
@@ -710,10 +714,10 @@ BENCHMARKS_ROWS = [
         "", "{platforms.steady.memfd.ms} / {platforms.steady.portable.ms}",
         "portable takes {platforms.steady.portable.slower} memfd's time"),
     Row("platforms: in-band (the Windows path) against `multiprocessing.Pool`: 64 MiB argument / "
-        "{platforms.tiny_map.tasks} tiny tasks (`map`)",
-        "{platforms.arg64m.mp.ms} / {platforms.tiny_map.mp.ms}",
-        "{platforms.arg64m.inband.ms} / {platforms.tiny_map.inband.ms}",
-        "{platforms.arg64m.ratio} / {platforms.tiny_map.ratio}"),
+        "{platforms.tiny_map.tasks} tiny tasks (`map`) / {platforms.tiny_apply.tasks} one by one (`apply_async`)",
+        "{platforms.arg64m.mp.ms} / {platforms.tiny_map.mp.ms} / {platforms.tiny_apply.mp.ms}",
+        "{platforms.arg64m.inband.ms} / {platforms.tiny_map.inband.ms} / {platforms.tiny_apply.inband.ms}",
+        "{platforms.arg64m.ratio} / {platforms.tiny_map.ratio} / {platforms.tiny_apply.ratio}"),
 ]
 
 #: name -> rows: ``<!-- figures:NAME begin -->`` ... ``<!-- figures:NAME end -->`` in a page.

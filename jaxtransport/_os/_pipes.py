@@ -11,10 +11,11 @@ Elsewhere (Windows has none of those; its ``Pipe`` is a named pipe, which no soc
 ``select`` accepts), and in ``JAXTRANSPORT_PLATFORM=inband``, each pipe is a ``socketpair()``
 (a TCP loopback pair on Windows), passed to the worker as a socket (``multiprocessing`` pickles
 it with ``DupSocket`` on Windows): the parent's end is non-blocking for good, and a write that
-must wait (the sender thread's) waits in ``select()`` for room; the manager waits with
-``multiprocessing.connection.wait`` (sockets and process handles on Windows, as the stock pool
-does); the wake pipe is a socket pair; the worker's end stays blocking and it writes with
-``sendall``. Nothing here passes fds (in-band mode).
+must wait (the sender thread's) waits in ``select()`` for room; the manager waits on a selector
+kept over the sockets (``select()`` on Windows) and looks at the workers' process handles with
+``multiprocessing.connection.wait`` now and then (:class:`Poller`); the wake pipe is a socket
+pair; the worker's end stays blocking and it writes with ``sendall``. Nothing here passes
+fds (in-band mode).
 
 Process liveness follows the same split: ``os.kill(pid, 0)`` probes a process only where
 ``os.kill`` is POSIX ``kill(2)`` (:func:`kill_probes`: ``os.killpg`` exists); on Windows
