@@ -33,13 +33,15 @@ RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py test
 	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py \
 	tests/test_cpython_compat.py
 
-# `make test-platforms`: the Pool, Executor and jaxtransport.multiprocessing suites (not slow) with
+# `make test-platforms`: the Pool, Executor and jaxtransport.multiprocessing suites (not slow), and
+# the Pool's never-hangs, crash, lifecycle and take-back suites, with
 # Linux's facilities hidden in every process, parent and spawned workers (tests/platforms/
 # sitecustomize.py, on PYTHONPATH): as on macOS (the portable path: POSIX shared memory, framed
 # streams; spawn and forkserver), then as on Windows (in-band: no fd passing; spawn only). The
 # paths are found by feature detection, not by JAXTRANSPORT_PLATFORM. Afterwards /dev/shm must hold
 # no jaxtransport entry.
-PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiprocessing.py
+PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiprocessing.py \
+	tests/test_pool_never_hangs.py tests/test_pool_crash.py tests/test_pool_lifecycle.py tests/test_pool_take_back.py
 SIMULATE := PYTHONPATH=$(CURDIR)/tests/platforms$${PYTHONPATH:+:$$PYTHONPATH}
 
 .PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs test-platforms

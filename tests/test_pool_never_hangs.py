@@ -99,7 +99,7 @@ def test_a_callback_may_call_apply(start_method):
 def send_raw(raw: bytes, then_sleep: float = 0.0):
     from jaxtransport.pool import _worker
 
-    _worker.CURRENT.conn.send_bytes(raw)
+    _worker.CURRENT.send_raw(raw)  # one frame, as Connection.send_bytes writes it
     time.sleep(then_sleep)
     return "unreachable" if then_sleep else "sent"
 
@@ -168,6 +168,7 @@ def keep_results(n):
     return [jnp.full((MIB // 4,), i, jnp.float32) for i in range(n)]
 
 
+@pytest.mark.shm
 def test_worker_shared_memory_at_its_limit_is_a_clear_error(start_method, monkeypatch):
     from jaxtransport.pool import _engine
 
