@@ -328,6 +328,45 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_the_socket_pipes_poller_sees_sockets_and_many_process_sentinels():
+    """The Windows column's manager wait (Note [pipe io]): sockets through a selector, other
+    waitables (process handles there; pipe fds here) through ``connection.wait`` in groups
+    small enough for Windows (at most 63 handles a wait), when the sockets have nothing."""
+    code = textwrap.dedent(
+        """
+        import os, socket
+        from jaxtransport import _os
+        assert not _os.posix_io()
+        import multiprocessing.connection as mpc
+        try:
+            mpc.wait([os.pipe()[0] for _ in range(64)], 0)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("the simulated wait() took 64 handles")
+        a, b = socket.socketpair()
+        pipes = [os.pipe() for _ in range(130)]
+        poller = _os.Poller()
+        wanted = {a: "sock"}
+        wanted.update({r: ("pipe", i) for i, (r, _w) in enumerate(pipes)})
+        poller.set(wanted)
+        assert poller.poll(0.01) == []
+        os.write(pipes[125][1], b"x")  # in the third group of handles
+        assert poller.poll(0.01) == [("pipe", 125)]
+        os.read(pipes[125][0], 1)
+        b.send(b"y")
+        assert poller.poll(1.0) == ["sock"]
+        poller.set({a: "sock"})  # set anew: the pipes are gone
+        os.write(pipes[3][1], b"x")
+        assert poller.poll(0.01) == ["sock"]
+        poller.close()
+        print("ok")
+        """
+    )
+    proc = run_python(code, env=_simulated("windows"))  # its wait() takes 63 at most, as Windows'
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
 def test_the_windows_simulation_takes_posix_io_from_jaxtransport():
     """What ``_simulate._hide_posix_io`` says it takes away, and that jaxtransport's liveness
     probe never signals a process there (the simulated ``os.kill`` would kill it)."""

@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 IOV = 512  # buffers per sendmsg (the system's limit is IOV_MAX, 1024 on Linux)
+# Handles per multiprocessing.connection.wait: on Windows one wait takes at most 63 (the
+# system's MAXIMUM_WAIT_OBJECTS, 64), so a pool of more workers looks at them in groups.
+WAIT_HANDLES = 60
 
 _POSIX: bool | None = None
 
@@ -263,7 +266,9 @@ class Poller:
                 self._others_at = now
                 from multiprocessing.connection import wait
 
-                keys += [self._others[o] for o in wait(list(self._others), 0)]
+                others = list(self._others)
+                for i in range(0, len(others), WAIT_HANDLES):
+                    keys += [self._others[o] for o in wait(others[i : i + WAIT_HANDLES], 0)]
         return keys
 
 

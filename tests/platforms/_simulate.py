@@ -17,7 +17,8 @@ so that jaxtransport must find its portable paths by feature detection, as on ma
   And none of the POSIX I/O Windows lacks (:func:`_hide_posix_io`): no ``select.poll`` or
   epoll, ``os.writev``, ``os.killpg``, ``MSG_DONTWAIT``; for jaxtransport's own code no
   ``sendmsg``/``recvmsg``, no ``os.read``/``write``/``dup`` of a socket, ``select()`` of sockets
-  only, and ``os.kill`` that terminates whatever the signal (as Windows' does).
+  only, and ``os.kill`` that terminates whatever the signal (as Windows' does);
+  ``multiprocessing.connection.wait`` takes at most 63 objects, as on Windows.
 
 What is not simulated (a real Mac or Windows may differ): how Windows hands a socket to a
 child (``DupSocket``: the simulation's ``multiprocessing`` still pickles sockets with its POSIX
@@ -222,6 +223,17 @@ def _hide_posix_io() -> None:
 
     select.select = select_
     os.kill = kill
+    import multiprocessing.connection as mpc
+
+    real_wait = mpc.wait
+
+    def wait(object_list, timeout=None):
+        object_list = list(object_list)
+        if len(object_list) > 63:  # WaitForMultipleObjects' limit, as CPython's wait() there
+            raise ValueError(f"need at most 63 handles, got a sequence of length {len(object_list)}")
+        return real_wait(object_list, timeout)
+
+    mpc.wait = wait
 
 
 def hide(kind: str) -> None:
