@@ -328,6 +328,45 @@ def _alive(pid: int) -> bool:
         return False
 
 
+PIPE_END_THROUGH_A_QUEUE = textwrap.dedent(
+    """
+    import sys
+    import jaxtransport.multiprocessing as jmp
+
+    def child(q):
+        conn = q.get(timeout=60)  # a Pipe end, sent after the child started (not spawning)
+        conn.send(conn.recv() * 2)
+
+    if __name__ == "__main__":
+        ctx = jmp.get_context(sys.argv[1])
+        a, b = ctx.Pipe()
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        q.put(b)
+        a.send(21)
+        assert a.recv() == 42
+        p.join(60)
+        assert p.exitcode == 0
+        print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["auto", "portable", "inband"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_pipe_end_travels_through_a_queue_in_every_mode(tmp_path, mode, method):
+    """Sockets pickle with multiprocessing's own means in every mode (``_sockets.socket_handle``:
+    ``DupFd`` on POSIX, served by the resource sharer when not spawning; ``DupSocket`` on
+    Windows), so a Connection sent through a Queue to a running process works, as stock's."""
+    script = tmp_path / "pipe_end.py"
+    script.write_text(PIPE_END_THROUGH_A_QUEUE)
+    argv = f"sys.argv = [{str(script)!r}, {method!r}]"
+    code = f"import runpy, sys; {argv}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = run_python(code, env={"JAXTRANSPORT_PLATFORM": mode}, timeout=180)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_the_socket_pipes_poller_sees_sockets_and_many_process_sentinels():
     """The Windows column's manager wait (Note [pipe io]): sockets through a selector, other
     waitables (process handles there; pipe fds here) through ``connection.wait`` in groups

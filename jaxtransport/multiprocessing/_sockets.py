@@ -71,19 +71,22 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
 
 
 def socket_handle(sock: socket.socket) -> Any:
-    """What pickles ``sock`` for a spawned process (:func:`socket_from` rebuilds it): a
-    ``multiprocessing.reduction.DupFd`` of its fd where fds pass between processes (Unix),
-    else the socket itself, which ``multiprocessing``'s own reducer pickles (``DupSocket`` on
-    Windows, where there is no ``DupFd``)."""
-    if _os.fd_passing():
-        from multiprocessing import reduction
+    """What pickles ``sock`` for another process, spawning or not (:func:`socket_from` rebuilds
+    it): ``multiprocessing``'s own means, a ``reduction.DupFd`` of its fd on POSIX (passed to a
+    child being spawned, else served once by the resource sharer), a
+    ``resource_sharer.DupSocket`` on Windows, which has no ``DupFd`` (the socket shared with
+    ``socket.share``)."""
+    from multiprocessing import reduction
 
+    if hasattr(reduction, "DupFd"):
         return reduction.DupFd(sock.fileno())
-    return sock
+    from multiprocessing.resource_sharer import DupSocket  # type: ignore[attr-defined]
+
+    return DupSocket(sock)
 
 
 def socket_from(handle: Any) -> socket.socket:
-    """The socket :func:`socket_handle` pickled."""
-    if isinstance(handle, socket.socket):
-        return handle
-    return socket.socket(fileno=handle.detach())
+    """The socket :func:`socket_handle` pickled (``detach()`` gives an fd on POSIX, a socket on
+    Windows)."""
+    got = handle.detach()
+    return got if isinstance(got, socket.socket) else socket.socket(fileno=got)
