@@ -150,6 +150,15 @@ def _service_pids() -> set[int]:
     return pids
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (read from ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,13 +17,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
 from jaxtransport import _os
 
-from .conftest import ROOT, run_python, shm_entries
+from .conftest import ROOT, alive, run_python, shm_entries, wait_until
 
 SIM_DIR = os.path.join(ROOT, "tests", "platforms")
 
@@ -241,13 +240,14 @@ ROUND_TRIP = textwrap.dedent(
 )
 
 
-def _run_round_trip(tmp_path, method: str, env: dict):
-    script = tmp_path / "round_trip.py"
-    script.write_text(ROUND_TRIP)
+def _run_round_trip(tmp_path, method: str, env: dict, text: str = ROUND_TRIP, timeout: float = 600):
+    """``text`` as a main script (``sys.argv[1]``: ``method``) in a fresh interpreter."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     code = (
         f"import runpy, sys; sys.argv = [{str(script)!r}, {method!r}]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    return run_python(code, env=env, timeout=600)
+    return run_python(code, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -310,22 +310,11 @@ def test_on_the_simulated_windows_a_busy_worker_follows_its_killed_parent():
         assert len(pids) == 2 and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else pids
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids), "a worker outlived its killed parent"
+        assert wait_until(lambda: not any(alive(pid) for pid in pids), 30), "a worker outlived its killed parent"
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 PIPE_END_THROUGH_A_QUEUE = textwrap.dedent(
@@ -359,11 +348,7 @@ def test_a_pipe_end_travels_through_a_queue_in_every_mode(tmp_path, mode, method
     """Sockets pickle with multiprocessing's own means in every mode (``_sockets.socket_handle``:
     ``DupFd`` on POSIX, served by the resource sharer when not spawning; ``DupSocket`` on
     Windows), so a Connection sent through a Queue to a running process works, as stock's."""
-    script = tmp_path / "pipe_end.py"
-    script.write_text(PIPE_END_THROUGH_A_QUEUE)
-    argv = f"sys.argv = [{str(script)!r}, {method!r}]"
-    code = f"import runpy, sys; {argv}; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = run_python(code, env={"JAXTRANSPORT_PLATFORM": mode}, timeout=180)
+    proc = _run_round_trip(tmp_path, method, {"JAXTRANSPORT_PLATFORM": mode}, PIPE_END_THROUGH_A_QUEUE, 180)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

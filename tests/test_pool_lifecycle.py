@@ -22,17 +22,9 @@ import pytest
 import jaxtransport as jt
 from jaxtransport._errors import PoolTerminatedError, WorkerLostError
 
-from .conftest import ROOT, child_pids, popen_interruptible, shm_entries, wait_until
+from .conftest import ROOT, alive, child_pids, popen_interruptible, shm_entries, wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def getpid(_=None):

@@ -25,6 +25,7 @@ import struct
 from typing import Any
 
 from . import _mode
+from ._pipes import no_delay
 
 __all__ = [
     "DONTWAIT",
@@ -74,8 +75,6 @@ def message_socketpair() -> tuple[socket.socket, socket.socket]:
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if fd_passing():
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    from ._pipes import no_delay
-
     a, b = no_delay(*socket.socketpair())  # a TCP pair on Windows: no Nagle between header and body
     return a, b
 

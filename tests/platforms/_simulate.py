@@ -148,14 +148,6 @@ def _hide_fd_passing() -> None:
     sys.modules["fcntl"] = None  # import fcntl -> ImportError
 
 
-def _caller_ours(depth: int) -> bool:
-    try:
-        name = sys._getframe(depth + 1).f_globals.get("__name__", "")
-    except ValueError:
-        return False
-    return name == "jaxtransport" or name.startswith("jaxtransport.")
-
-
 class _HiddenFromUs:
     """A method of ``socket.socket`` that jaxtransport's own code cannot see (AttributeError, as
     on Windows), while the standard library's POSIX code under the simulation keeps it."""
@@ -164,7 +156,7 @@ class _HiddenFromUs:
         self.name, self.real = name, real
 
     def __get__(self, obj, cls=None):
-        if _caller_ours(1):
+        if _ours():
             raise AttributeError(f"'socket' object has no attribute {self.name!r} (hidden: as on Windows)")
         return self.real if obj is None else self.real.__get__(obj, cls)
 
@@ -202,7 +194,7 @@ def _hide_posix_io() -> None:
 
     def guard_fd(real):
         def call(fd, *args):
-            if _caller_ours(1) and _is_socket(fd):
+            if _ours() and _is_socket(fd):
                 raise OSError(errno.EBADF, "a socket is not a file descriptor (as on Windows)")
             return real(fd, *args)
 
@@ -212,12 +204,12 @@ def _hide_posix_io() -> None:
     real_select, real_kill = select.select, os.kill
 
     def select_(rlist, wlist, xlist, *timeout):
-        if _caller_ours(1) and not all(_is_socket(f) for f in (*rlist, *wlist, *xlist)):
+        if _ours() and not all(_is_socket(f) for f in (*rlist, *wlist, *xlist)):
             raise OSError(errno.ENOTSOCK, "select() takes sockets only (as on Windows)")
         return real_select(rlist, wlist, xlist, *timeout)
 
     def kill(pid, sig):
-        if _caller_ours(1):
+        if _ours():
             return real_kill(pid, signal.SIGKILL)  # TerminateProcess, as Windows' os.kill
         return real_kill(pid, sig)
 
