@@ -451,10 +451,13 @@ def commit(
     borrower: Any,
     wait: Callable | None = None,
     peer: Mapper | None = None,
+    reuse: Callable[[Any], tuple | None] | None = None,
 ) -> Encoded:
     """Phase 2: copy each set-aside array once into a slot of ``arena`` (one reference held by
-    ``borrower``), or name the peer's slot when it already lives there. Cost: one memcpy per
-    array. On error, every slot taken so far is released."""
+    ``borrower``), or name the peer's slot when it already lives there, or (``reuse``, a
+    jax.Array only) the entry ``reuse(x)`` gives for an array already in shared memory (None:
+    copy it). Cost: one memcpy per array copied. On error, every slot taken so far is released
+    (what ``reuse`` gave is its caller's to give back)."""
     entries: list[tuple] = []
     handles: list[tuple] = []
     segs: set[int] = set()
@@ -467,6 +470,12 @@ def commit(
                 entry = _as_ref(kind, x, peer)
                 if entry is not None:
                     entries.append(entry)
+                    continue
+            if reuse is not None and kind == "jax":
+                entry = reuse(x)
+                if entry is not None:
+                    entries.append(entry)
+                    segs.add(entry[-1][0])
                     continue
             if kind == "np":
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)

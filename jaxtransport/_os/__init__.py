@@ -16,6 +16,9 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
   inside the pickles).
 - the take-back lock (``_locks``): Linux ``sem_init(pshared=1)`` in shared memory; elsewhere a
   ``multiprocessing`` lock.
+- slot-header locks (``_locks``): Linux POSIX record locks on the segment's file (released by
+  the kernel when the holder dies); none elsewhere (macOS refuses them on ``shm_open``
+  objects), where arrays are forwarded by copy.
 - the Pool's pipes (``_pipes``, Note [pipe io]): POSIX ``select.poll``, ``sendmsg`` with
   ``MSG_DONTWAIT``, ``writev`` over ``multiprocessing`` Pipes; elsewhere (Windows, and in-band)
   socket pairs, non-blocking sockets, ``select()`` and ``multiprocessing.connection.wait``.
@@ -44,7 +47,7 @@ from ._channels import (
     send_message,
     stream_locks,
 )
-from ._locks import SEM_BYTES, SemLock, init_semaphore, semaphores
+from ._locks import SEM_BYTES, SemLock, init_semaphore, record_locks, semaphores, try_lock_range, unlock_range
 from ._mode import ENV, mode
 from ._pipes import (
     IOV,
@@ -113,6 +116,7 @@ __all__ = [
     "populate_method",
     "posix_io",
     "process_token",
+    "record_locks",
     "recv_fd",
     "recv_message",
     "segment_kind",
@@ -121,6 +125,8 @@ __all__ = [
     "send_message",
     "send_some",
     "stream_locks",
+    "try_lock_range",
+    "unlock_range",
     "wait_for_exit",
     "wait_readable",
     "warn_in_band",
@@ -177,6 +183,7 @@ def describe() -> dict:
         "fd_passing": fd_passing(),
         "pipes": "posix" if posix_io() else "sockets",
         "shared_lock": "sem_init" if semaphores() is not None else "multiprocessing.Lock",
+        "header_locks": "fcntl record locks" if record_locks() else "none (forwarding copies)",
         "proc": has_proc(),
         "cpus": cpu_count(),
     }

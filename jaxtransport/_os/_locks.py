@@ -1,4 +1,6 @@
-"""A lock two processes share, placed in shared memory: an unnamed POSIX semaphore
+"""Locks two processes share.
+
+A lock placed in shared memory: an unnamed POSIX semaphore
 (``sem_init(pshared=1)``) where libc has one, else a ``multiprocessing`` lock (a named
 semaphore, unlinked at once) made by the caller's context.
 
@@ -6,6 +8,16 @@ The semaphore lives in the caller's block of shared memory, so nothing is named 
 nothing is left if a process dies. macOS has ``sem_init`` but it fails (ENOSYS); there, and in
 ``JAXTRANSPORT_PLATFORM=portable``, :func:`init_semaphore` says False and the caller passes a
 ``ctx.Lock()`` to the other process instead (it pickles while a process is spawned).
+
+A lock over a byte range of a segment (:func:`try_lock_range`): a POSIX record lock
+(``fcntl(F_SETLK)``), which the kernel releases when its holder dies, even by SIGKILL inside
+the locked section. It is owned by the *process*, not the thread or the fd: a second thread
+of the same process "gets" it too (callers serialise their threads themselves), and closing
+*any* fd of the same file drops every lock the process holds on it (callers close segment fds
+only under the same serialisation). Not an OFD lock: fds passed with SCM_RIGHTS share one
+open file description, so OFD locks would not exclude the processes holding them. Linux has
+record locks on memfd and shared-memory files; macOS refuses them on ``shm_open`` objects, and
+``JAXTRANSPORT_PLATFORM=portable`` and ``inband`` say they are missing, as there.
 """
 
 from __future__ import annotations
@@ -14,10 +26,11 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import time
 
 from . import _mode
 
-__all__ = ["SEM_BYTES", "SemLock", "init_semaphore", "semaphores"]
+__all__ = ["SEM_BYTES", "SemLock", "init_semaphore", "record_locks", "semaphores", "try_lock_range", "unlock_range"]
 
 SEM_BYTES = 64  # room for a sem_t (32 bytes on glibc x86-64 and arm64)
 
@@ -87,3 +100,42 @@ class SemLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_RANGE_TRIES_S = 0.002  # how long try_lock_range retries a range another process holds
+
+
+def record_locks() -> bool:
+    """Whether segments take POSIX record locks here (Linux, in auto mode)."""
+    return _mode.mode() == _mode.AUTO and hasattr(os, "memfd_create")
+
+
+def try_lock_range(fd: int, start: int, length: int) -> bool | None:
+    """Take the record lock over ``[start, start + length)`` of ``fd``'s file, without waiting
+    for long: True when held, False when another process kept it for ``_RANGE_TRIES_S`` (it is
+    slow or stopped inside its section), None when this host cannot lock segments."""
+    if not record_locks():
+        return None
+    import fcntl
+
+    deadline = 0.0
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, length, start, os.SEEK_SET)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EINTR):
+                return None  # ENOLCK, EINVAL, EBADF, ENOTSUP: no record locks on this fd
+        now = time.monotonic()
+        if not deadline:
+            deadline = now + _RANGE_TRIES_S
+        elif now > deadline:
+            return False
+        time.sleep(0.00005)
+
+
+def unlock_range(fd: int, start: int, length: int) -> None:
+    """Release what :func:`try_lock_range` took."""
+    import fcntl
+
+    fcntl.lockf(fd, fcntl.LOCK_UN, length, start, os.SEEK_SET)

@@ -63,8 +63,11 @@ class Mapper:
     ``addr`` is a live received slot (so it can be sent back as a handle, not a copy).
     """
 
-    def __init__(self, sock: socket.socket | None, label: str = "the sender", wait_fd: float = 10.0):
+    def __init__(
+        self, sock: socket.socket | None, label: str = "the sender", wait_fd: float = 10.0, keep_fds: bool = False
+    ):
         self.sock = sock
+        self.keep_fds = keep_fds  # keep each segment's fd after mapping it (to pass it on)
         self.label = label
         self.wait_fd = wait_fd
         self.segs: dict[int, _Mapped] = {}
@@ -138,16 +141,18 @@ class Mapper:
             # gets its pages]).
             m.mm = mmap.mmap(m.fd, m.size, flags=mmap.MAP_SHARED)
             m.addr = _os.addr(m.mm)
-            os.close(m.fd)
-            m.fd = None
+            if not self.keep_fds:
+                os.close(m.fd)
+                m.fd = None
         return m
 
     def adopt(self, seg_id: int, fd: int) -> None:
         """Take ownership of ``fd``, an fd of segment ``seg_id`` that arrived with a message
         (SCM_RIGHTS), and keep it only if this segment is new here: a known (cached) or
         forgotten segment's duplicate is closed at once, so at most one fd per segment is ever
-        open, and only until the segment is first mapped. Raises ShmHandleError (fd closed) for
-        something that is not a segment of a plausible size."""
+        open, and only until the segment is first mapped (``keep_fds``: while it is mapped).
+        Raises ShmHandleError (fd closed) for something that is not a segment of a plausible
+        size."""
         try:
             size = os.fstat(fd).st_size
         except OSError:

@@ -10,13 +10,16 @@ record on a stream, under a writer and a reader lock where processes share the s
 the middle of a message can leave the queue unusable. In-band (no fd passing), a message has no
 fds and no slots: everything is in its pickle. The packet is a small pickle::
 
-    (MAGIC, producer, data | None, entries, segs, blob, live, bundled)
+    (MAGIC, producer, data | None, entries, segs, blob, live, bundled, owners, where)
 
-- ``producer``: ``(pid, token)`` of the sending process (its slots' owner).
+- ``producer``: ``(pid, token)`` of the sending process (the owner of the slots it copied).
+- ``owners``: the owners of the slots the message names, ``owners[0]`` the producer, the others
+  processes whose slots it forwards (Note [sending by handle]).
+- ``where``: for each array entry, then the blob, ``(owner index, lease index)``.
 - ``data``, ``entries``: what ``jaxtransport._wire`` made of the object: the pickle and the arrays set
   aside into slots of the sender's :class:`~jaxtransport._shm.Arena` (the same encoder as the
   Pool, so the same dtypes, weak types, PRNG keys and shardings).
-- ``segs``: the segment id of each fd in the packet, in order.
+- ``segs``: ``(owner index, segment id)`` of each fd in the packet, in order.
 - ``blob``: when the pickle itself is larger than a packet may be, it travels in a slot too
   (``data`` is then None), so that every message stays one packet.
 - ``bundled``: a packet carries at most MAX_FDS fds; for a message naming more segments the
@@ -32,25 +35,54 @@ fd per segment, and only until the segment is mapped: "too many open files" cann
 
 Note [queue slot lifetime]
 A queue has no fixed receiver, so the receiver cannot send releases back on a private channel as
-the Pool's workers do. Instead every slot starts with a 64-byte header in the shared memory
-itself::
+the Pool's workers do. Instead every slot starts with a header in the shared memory itself: a
+table of LEASES leases, one per holder, 32 bytes each::
 
-    [0:8) serial (written by the sender at put)   [8:16) released serial (written by the receiver)
-    [16:24) receiver pid                          [24:32) receiver token (start time: pid reuse)
+    [0:8) serial   [8:16) released   [16:24) holder pid   [24:32) holder token (start time)
 
-The receiver writes its pid when it takes the message, wraps each slot in a per-transfer holder as
-the Pool does (Note [slot lifetime] in ``_shm``), and writes ``released = serial`` when the last
-array over the slot is gone (a background thread in the receiver applies releases and runs
-``collect_deferred``). The sender frees slots whose header says released, and, when it runs out
-of capacity, also slots whose receiver process is dead. A slot whose message nobody has taken
-stays held: a producer that outpaces its consumers waits for releases, then raises
+A lease is *free* when ``released == serial``, *in flight* when it is busy and has no holder
+pid (a message on its way), *held* when a receiver wrote its pid. A message names, for each of
+its slots, which lease is its own. The receiver writes its pid when it takes the message, wraps
+each slot in a per-transfer holder as the Pool does (Note [slot lifetime] in ``_shm``), and
+writes ``released = serial`` when the last array over the slot is gone (a background thread in
+the receiver applies releases and runs ``collect_deferred``). The sender frees a slot when
+every lease is free and it does not keep the slot itself (Note [sending by handle]); when it
+runs out of capacity, a lease whose holder process is dead counts as free too (a reused pid
+reads another start time). A lease in flight is never reaped: a slot whose message nobody has
+taken stays held, so a producer that outpaces its consumers waits for releases, then raises
 ShmCapacityError.
+
+Note [sending by handle]
+Data already in shared memory travels on by handle, with no copy, in two cases:
+
+- *Re-sending.* A jax.Array that this process copied into a slot keeps that slot while it lives
+  (``Producer.pin``: a weak reference, and a budget of half the capacity, oldest pins dropped
+  first, every pin dropped when a put waits for memory). jax.Arrays are immutable, so a later
+  send of the same array, on any queue or pipe, takes a new lease on the slot.
+- *Forwarding.* A received jax.Array that aliases a whole received slot (one buffer, on CPU) is
+  sent on by the receiver as a lease on the *owner's* slot: the receiver keeps each segment's
+  fd while it is mapped (``Mapper(keep_fds=True)``, at most MAX_KEPT_FDS per process) and
+  passes it on, so the next receiver maps the owner's segment, and a chain A->B->C->D or a round
+  trip A->B->A copies nothing. The packet names each slot's owner (``owners``, ``where``).
+
+Several processes may take leases on one slot at once (the owner re-sending, receivers
+forwarding), so taking a lease, and the owner's last look before it frees a slot, happen under
+a POSIX record lock over the slot's header (``_os.try_lock_range``): the kernel releases it when
+its holder dies, even by SIGKILL inside the section. Record locks belong to the process and
+are dropped when the process closes *any* fd of the file, so in each process one lock
+(``_headers``) serialises these sections with every close of a kept segment fd. Nobody waits
+for a lease: when the table is full, the header lock is held for long (a stopped peer), no fd
+is kept, or the host has no record locks (macOS: forwarding only), the array is copied instead.
+What still copies: numpy arrays (a receiver's are writeable), arrays that are not exactly a
+whole slot (a slice, a sharded array received under ``placement="preserve"``), arrays not on
+the CPU, and the in-band path (no shared memory).
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import functools
 import os
 import pickle
 import secrets
@@ -68,15 +100,22 @@ from .._errors import ShmCapacityError, ShmHandleError, TransportError
 from .._nojax import find_tracer
 from .._pickling import PICKLE_PROTOCOL
 
-MAGIC = "jaxtransport.mp/1"
-HEADER = 64  # bytes before each slot's data (Note [queue slot lifetime])
-_HDR = struct.Struct("<QQQQ")
+MAGIC = "jaxtransport.mp/2"
+LEASES = 16  # leases per slot (Note [queue slot lifetime])
+_LEASE = struct.Struct("<QQQQ")  # serial, released, holder pid, holder token
+HEADER = LEASES * _LEASE.size  # bytes before each slot's data: 512, a multiple of ALIGN
 MAX_PACKET = 32 << 10  # larger pickles travel in a slot (Note [queue messages])
 RECV_BUF = 64 << 10
 MAX_FDS = 250  # SCM_MAX_FD is 253
+MAX_KEPT_FDS = 256  # received segments' fds kept to forward from (Note [sending by handle])
 _MAX_LIVE_LISTED = 64
 _CAPACITY_GRACE_S = 10.0  # how long a put waits without any release before giving up
 _RELEASE_POLL_S = 0.02
+
+# Serialises, in this process, every header-lock section with every close of a kept segment
+# fd (closing any fd of a file drops the process's record locks on it: Note [sending by
+# handle]). Taken after Producer.lock or _Consumer.lock, never before; nothing is called under it.
+_headers = threading.Lock()
 
 
 def _proc_start(pid: int) -> int | None:
@@ -85,8 +124,64 @@ def _proc_start(pid: int) -> int | None:
     return _os.process_token(pid)
 
 
+def _take_lease(mm, fd: int | None, hoff: int, forwarding: bool) -> tuple[int, int] | None:
+    """A free lease of the slot whose header is at ``hoff`` made in flight: ``(index, serial)``,
+    or None (copy instead) when none is free or the header lock cannot be had. The owner may
+    go on without record locks where the host has none (then nobody else takes leases);
+    a forwarder may not."""
+    with _headers:
+        got = None if fd is None else _os.try_lock_range(fd, hoff, HEADER)
+        if got is False or (got is None and forwarding):
+            return None
+        try:
+            for j in range(LEASES):
+                off = hoff + j * _LEASE.size
+                serial, released, _pid, _tok = _LEASE.unpack_from(mm, off)
+                if serial == released:
+                    _LEASE.pack_into(mm, off, released + 1, released, 0, 0)
+                    return j, released + 1
+            return None
+        finally:
+            if got:
+                _os.unlock_range(fd, hoff, HEADER)  # type: ignore[arg-type]
+
+
+def _give_lease(mm, hoff: int, j: int, serial: int) -> None:
+    """Free lease ``j`` (a message that was never sent, or a claimed slot given back)."""
+    off = hoff + j * _LEASE.size
+    try:
+        if _LEASE.unpack_from(mm, off)[0] == serial:
+            struct.pack_into("<Q", mm, off + 8, serial)
+    except (ValueError, TypeError, IndexError):
+        pass  # unmapped meanwhile
+
+
+def _leases_free(mm, hoff: int, dead_too: bool, starts: dict, reap: bool) -> bool:
+    """Whether every lease of the slot is free; with ``dead_too`` a lease whose holder died
+    counts as free (``reap``: and is freed). A lease in flight is never free."""
+    for j in range(LEASES):
+        off = hoff + j * _LEASE.size
+        serial, released, rpid, rstart = _LEASE.unpack_from(mm, off)
+        if serial == released:
+            continue
+        if not (dead_too and rpid):
+            return False
+        if rpid not in starts:
+            starts[rpid] = _proc_start(rpid)
+        if starts[rpid] == rstart:
+            return False
+        if reap:
+            struct.pack_into("<Q", mm, off + 8, serial)
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # sender side
+
+
+def _pin_died(dead_pins: collections.deque, key: int, _ref) -> None:
+    # A weakref callback: any thread, maybe one holding Producer.lock. An atomic append only.
+    dead_pins.append(key)
 
 
 class _HeaderArena:
@@ -103,6 +198,18 @@ class _HeaderArena:
         return True
 
 
+class _Sent:
+    """A slot of this process's arena that a message took: its arena handle, and the array
+    pinned to it (Note [sending by handle])."""
+
+    __slots__ = ("entry", "first", "handle", "pin")
+
+    def __init__(self, handle, first: int):
+        self.handle, self.first = handle, first  # first: the serial of lease 0, its first message's
+        self.pin: int | None = None  # id() of the live jax.Array this slot holds
+        self.entry: tuple | None = None  # that array's entry, to send it again
+
+
 class Producer:
     """The sending half of this process: one Arena for every queue and pipe it sends on."""
 
@@ -111,62 +218,163 @@ class Producer:
         self.key = (self.pid, secrets.token_bytes(8))
         self.arena = _shm.Arena(capacity, label=f"process {self.pid} (jaxtransport.multiprocessing)")
         self.lock = threading.Lock()
-        self.serials = iter(range(1, 1 << 62))
-        # data handle -> (arena handle, serial); oldest first
+        # data handle -> _Sent, oldest first
         self.outstanding: collections.OrderedDict = collections.OrderedDict()
+        # id(jax.Array) -> (weakref, data handle, nbytes), oldest first
+        self.pins: collections.OrderedDict = collections.OrderedDict()
+        self.pinned_bytes = 0
+        self.serials = iter(range(1, 1 << 31))  # each slot life's serial base (<< 32)
+        self.dead_pins: collections.deque = collections.deque()  # ids, appended by weakref callbacks
         self.frees = 0  # slots freed so far (progress, for waiting puts)
         self.adapter = _HeaderArena(self)
 
     def alloc(self, nbytes: int, wait):
-        # Releases are written into the slot headers; look at all of them while few are
+        # Leases are written into the slot headers; look at all of them while few are
         # outstanding (cheap), else at the oldest ones, so a free slot is found before a new
         # segment (fresh pages) is made.
         self.reap(None if len(self.outstanding) <= 256 else 64)
         handle, view = self.arena.alloc(nbytes + HEADER, "q", wait)
+        # Every lease starts free at a serial above any this slot had in an earlier life, so a
+        # late write for an old life (its holder wrongly judged dead) never matches a new one.
+        base = next(self.serials) << 32
+        for j in range(LEASES):
+            _LEASE.pack_into(view, j * _LEASE.size, base + (j == 0), base, 0, 0)  # lease 0: this message's
+        data = (handle.seg, handle.offset + HEADER, nbytes, handle.gen)  # travels as a plain tuple
         with self.lock:
-            serial = next(self.serials)
-            _HDR.pack_into(view, 0, serial, 0, 0, 0)
-            data = (handle.seg, handle.offset + HEADER, nbytes, handle.gen)  # travels as a plain tuple
-            self.outstanding[data] = (handle, serial)
+            self.outstanding[data] = _Sent(handle, base + 1)
         return data, view[HEADER:]
 
     def drop(self, data_handle) -> None:
-        """Free a slot at once (its message was never sent)."""
+        """Give back lease 0 of a slot taken by ``alloc`` for a message that was never sent,
+        and free the slot at once when nothing else holds it."""
+        data = tuple(data_handle)
         with self.lock:
-            rec = self.outstanding.pop(tuple(data_handle), None)
-        if rec is not None:
-            self.arena.release(rec[0], "q")
+            sent = self.outstanding.get(data)
+            seg = None if sent is None else self.arena.segment(data[0])
+            if seg is not None and seg.mm is not None:
+                _give_lease(seg.mm, sent.handle.offset, 0, sent.first)  # type: ignore[union-attr]
+        if sent is not None:
+            self.reap(only=[data])
 
-    def reap(self, limit: int | None = None, dead_too: bool = False) -> int:
-        """Free slots whose receiver released them (and, with ``dead_too``, slots whose receiver
-        died). Looks at most ``limit`` slots, oldest first (all when None). Returns slots freed."""
+    # -- pins (Note [sending by handle])
+    def pin(self, x: Any, data: tuple, entry: tuple) -> None:
+        """Keep ``data``'s slot while the jax.Array ``x`` lives, so that sending ``x`` again
+        goes by handle; within the budget (half the capacity), the oldest pins dropped first."""
+        nbytes = data[2]
+        budget = self.arena.capacity // 2
+        if nbytes > budget:
+            return
+        try:
+            ref = weakref.ref(x, functools.partial(_pin_died, self.dead_pins, id(x)))
+        except TypeError:
+            return
+        with self.lock:
+            self._forget_dead_pins()
+            sent = self.outstanding.get(data)
+            if sent is None or id(x) in self.pins:
+                return
+            while self.pins and self.pinned_bytes + nbytes > budget:
+                self._unpin(next(iter(self.pins)))
+            sent.pin, sent.entry = id(x), entry
+            self.pins[id(x)] = (ref, data, nbytes)
+            self.pinned_bytes += nbytes
+
+    def _forget_dead_pins(self) -> None:
+        # Called with self.lock held.
+        while self.dead_pins:
+            try:
+                key = self.dead_pins.popleft()
+            except IndexError:
+                return
+            rec = self.pins.get(key)
+            if rec is not None and rec[0]() is None:
+                self._unpin(key)
+
+    def _unpin(self, key: int) -> None:
+        # Called with self.lock held.
+        _ref, data, nbytes = self.pins.pop(key)
+        self.pinned_bytes -= nbytes
+        sent = self.outstanding.get(data)
+        if sent is not None and sent.pin == key:
+            sent.pin, sent.entry = None, None
+
+    def unpin_all(self) -> None:
+        """Drop every pin (a put is waiting for memory): arrays sent again are copied again."""
+        with self.lock:
+            for key in list(self.pins):
+                self._unpin(key)
+
+    def lease_pinned(self, x: Any) -> tuple[tuple, int, tuple[int, int]] | None:
+        """``(entry, fd, (lease index, serial))`` to send ``x`` again by handle, when ``x`` is
+        a pinned jax.Array and its slot has a free lease; else None."""
+        rec = self.pins.get(id(x))
+        if rec is None or rec[0]() is not x:
+            return None
+        try:
+            if x.is_deleted():
+                return None  # donated: encoding it raises, as for any deleted array
+        except Exception:  # noqa: BLE001 - not a jax.Array after all
+            return None
+        with self.lock:
+            self._forget_dead_pins()
+            rec = self.pins.get(id(x))
+            sent = None if rec is None else self.outstanding.get(rec[1])
+            if sent is None or sent.pin != id(x) or sent.entry is None:
+                return None
+            seg = self.arena.segment(rec[1][0])  # type: ignore[index]
+            if seg is None or seg.mm is None or seg.fd is None:
+                return None
+            lease = _take_lease(seg.mm, seg.fd, sent.handle.offset, forwarding=False)
+            if lease is None:
+                return None
+            return sent.entry, seg.fd, lease
+
+    def reap(self, limit: int | None = None, dead_too: bool = False, only: list | None = None) -> int:
+        """Free slots that nothing holds any more: every lease free (with ``dead_too``, a
+        lease whose holder died counts as free), no pin. Looks at most ``limit`` slots, oldest
+        first (all when None; ``only``: those). Returns slots freed."""
         freed = []
         starts: dict[int, int | None] = {}
         with self.lock:
-            n = len(self.outstanding) if limit is None else min(limit, len(self.outstanding))
+            self._forget_dead_pins()
+            if only is not None:
+                todo = [(d, self.outstanding.pop(d)) for d in only if d in self.outstanding]
+            else:
+                n = len(self.outstanding) if limit is None else min(limit, len(self.outstanding))
+                todo = [self.outstanding.popitem(last=False) for _ in range(n)]
             keep = []
-            for _ in range(n):
-                data, rec = self.outstanding.popitem(last=False)
+            for data, sent in todo:
                 seg = self.arena.segment(data[0])
-                free = seg is None or seg.mm is None
-                if not free:
-                    _serial, released, rpid, rstart = _HDR.unpack_from(seg.mm, rec[0][1])  # type: ignore[union-attr]
-                    free = released == rec[1]
-                    if not free and dead_too and rpid:
-                        if rpid not in starts:
-                            starts[rpid] = _proc_start(rpid)
-                        free = starts[rpid] != rstart
-                if free:
-                    freed.append(rec[0])
+                if seg is None or seg.mm is None:
+                    freed.append(sent.handle)
+                elif sent.pin is None and self._free_now(seg, sent.handle.offset, dead_too, starts):
+                    freed.append(sent.handle)
                 else:
-                    keep.append((data, rec))
-            for data, rec in keep:
-                self.outstanding[data] = rec
+                    keep.append((data, sent))
+            for data, sent in keep:
+                self.outstanding[data] = sent
         for h in freed:
             self.arena.release(h, "q")
         if freed:
             self.frees += len(freed)
         return len(freed)
+
+    @staticmethod
+    def _free_now(seg, hoff: int, dead_too: bool, starts: dict) -> bool:
+        """Whether the slot at ``hoff`` may be freed: a look without the header lock, then
+        (where it says yes) a last look under it, so that no lease taken meanwhile by a
+        forwarder is missed (Note [sending by handle])."""
+        if not _leases_free(seg.mm, hoff, dead_too, starts, reap=False):
+            return False
+        with _headers:
+            got = _os.try_lock_range(seg.fd, hoff, HEADER) if seg.fd is not None else None
+            if got is False:
+                return False
+            try:
+                return _leases_free(seg.mm, hoff, dead_too, starts, reap=True)
+            finally:
+                if got:
+                    _os.unlock_range(seg.fd, hoff, HEADER)
 
     def waiter(self, timeout: float | None):
         """An Arena wait hook for one put: wait while receivers keep releasing memory (or until
@@ -175,6 +383,7 @@ class Producer:
         state = {"progress": start, "frees": self.frees}
 
         def wait():  # called with no lock held (Arena.alloc)
+            self.unpin_all()
             self.reap(None, dead_too=True)
             now = time.monotonic()
             if self.frees != state["frees"]:
@@ -198,16 +407,23 @@ class Producer:
         return (self.arena.last_segment_id, tuple(s.seg_id for s in segs))
 
     def held(self) -> tuple[int, int, int]:
-        """(slots not yet released, of which taken by a receiver, bytes)."""
+        """(slots held for messages or receivers, of which held by a receiver, bytes); a slot
+        that only a pin keeps is not counted."""
         with self.lock:
             items = list(self.outstanding.items())
-        taken = nbytes = 0
-        for data, rec in items:
+        slots = taken = nbytes = 0
+        for data, sent in items:
             seg = self.arena.segment(data[0])
-            nbytes += data[2]
-            if seg is not None and seg.mm is not None and _HDR.unpack_from(seg.mm, rec[0][1])[2]:
-                taken += 1
-        return len(items), taken, nbytes
+            if seg is None or seg.mm is None:
+                continue
+            busy = held = False
+            for j in range(LEASES):
+                serial, released, rpid, _tok = _LEASE.unpack_from(seg.mm, sent.handle.offset + j * _LEASE.size)
+                if serial != released:
+                    busy, held = True, held or bool(rpid)
+            if busy:
+                slots, taken, nbytes = slots + 1, taken + held, nbytes + data[2]
+        return slots, taken, nbytes
 
 
 _producer: Producer | None = None
@@ -248,23 +464,88 @@ def _locate(obj: Any, root: str):
 
 class Outgoing:
     """A message ready to send: the packet and the fds it carries (the arena's, plus ``owned``:
-    a bundle socket this message closes once sent or discarded)."""
+    fds this message closes once sent or discarded: a bundle socket, duplicates of forwarded
+    segments' fds). ``leases``: the leases it took on slots it did not allocate, given back
+    if it is discarded."""
 
-    __slots__ = ("fds", "handles", "owned", "packet")
+    __slots__ = ("fds", "handles", "leases", "owned", "packet")
 
-    def __init__(self, packet, fds, handles, owned=()):
+    def __init__(self, packet, fds, handles, owned=(), leases=()):
         self.packet, self.fds, self.handles, self.owned = packet, fds, handles, list(owned)
+        self.leases = list(leases)
 
     def sent(self) -> None:
-        _close_all(self.owned)
+        _close_owned(self.owned)
         self.owned = []
+        self.leases = []
 
     def discard(self) -> None:
+        leases, self.leases = self.leases, []
         self.sent()
+        for mm, hoff, j, serial in leases:
+            _give_lease(mm, hoff, j, serial)
         p = producer()
         for h in self.handles:
             p.drop(h)
         self.handles = ()
+
+
+def _close_owned(fds) -> None:
+    if fds:
+        with _headers:  # closing a segment's fd drops this process's record locks on it
+            _close_all(fds)
+
+
+class _Reuse:
+    """``_wire.commit``'s ``reuse`` for one message: a jax.Array already in shared memory
+    (pinned by this process, or received and forwarded) goes as a lease on its slot (Note
+    [sending by handle]). Records, per array, the owner, the lease and the fd to pass."""
+
+    def __init__(self, p: Producer):
+        self.p = p
+        self.c = _consumer if _consumer is not None and _consumer.pid == p.pid else None
+        self.owners: list = [p.key]
+        self.by_id: dict[int, tuple] = {}  # id(x) -> (owner index, seg id, lease index)
+        self.fds: dict[tuple[int, int], int] = {}  # (owner index, seg id) -> fd
+        self.owned: list[int] = []  # duplicated fds of forwarded segments
+        self.leases: list[tuple] = []  # (mm, hoff, j, serial) taken here
+
+    def __call__(self, x: Any) -> tuple | None:
+        got = self.p.lease_pinned(x)
+        if got is not None:
+            entry, fd, (j, serial) = got
+            seg = self.p.arena.segment(entry[-1][0])
+            self.leases.append((seg.mm, entry[-1][1] - HEADER, j, serial))  # type: ignore[union-attr]
+            self.by_id[id(x)] = (0, entry[-1][0], j)
+            self.fds.setdefault((0, entry[-1][0]), fd)
+            return entry
+        if self.c is None or not self.c.mappers:
+            return None
+        fwd = self.c.forward(x)
+        if fwd is None:
+            return None
+        key, entry, fd, mm, (j, serial) = fwd
+        self.leases.append((mm, entry[-1][1] - HEADER, j, serial))
+        if key == self.p.key:
+            oi = 0
+        else:
+            if key not in self.owners:
+                self.owners.append(key)
+            oi = self.owners.index(key)
+        self.by_id[id(x)] = (oi, entry[-1][0], j)
+        if (oi, entry[-1][0]) not in self.fds:
+            self.fds[(oi, entry[-1][0])] = fd
+            self.owned.append(fd)
+        else:
+            _close_owned([fd])
+        return entry
+
+    def give_back(self) -> None:
+        for mm, hoff, j, serial in self.leases:
+            _give_lease(mm, hoff, j, serial)
+        self.leases = []
+        _close_owned(self.owned)
+        self.owned = []
 
 
 def _bundle(fds: list[int]) -> int:
@@ -327,18 +608,43 @@ def prepare(obj: Any, threshold: int, root: str):
 
 def commit(prep, timeout: float | None = None) -> Outgoing:
     """Phase 2, in the caller: copy the set-aside arrays into this process's shared memory (may
-    wait for receivers to release memory, see Producer.waiter) and build the packet."""
+    wait for receivers to release memory, see Producer.waiter), or take leases on the slots of
+    those already there (Note [sending by handle]), and build the packet."""
     from .. import _wire
 
     p = producer()
     if _consumer is not None and _consumer.pid == p.pid:
         _consumer.apply_releases()  # what this process received and dropped, before allocating
+    reuse = _Reuse(p) if prep.found and not _os.in_band() else None
     try:
-        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout))  # type: ignore[arg-type]
+        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), reuse=reuse)  # type: ignore[arg-type]
     except ShmCapacityError as e:
+        if reuse is not None:
+            reuse.give_back()
         raise _capacity_error(p, e) from None
+    except BaseException:
+        if reuse is not None:
+            reuse.give_back()
+        raise
     handles = list(enc.handles)
+    owned: list[int] = []
     try:
+        where, segs, fds = [], [], []
+        seen: set = set()
+        for (kind, x), entry in zip(prep.found, enc.entries):
+            h = entry[-1]
+            got = None if reuse is None else reuse.by_id.get(id(x))
+            if got is None:  # copied just now: lease 0 of a new slot of this process
+                where.append((0, 0))
+                if kind == "jax":
+                    p.pin(x, tuple(h), entry)
+                oi = 0
+            else:
+                where.append((got[0], got[2]))
+                oi = got[0]
+            if (oi, h[0]) not in seen:
+                seen.add((oi, h[0]))
+                segs.append((oi, h[0]))
         data, blob = enc.data, None
         if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries) and not _os.in_band():
             try:
@@ -348,26 +654,37 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             handles.append(blob)
             view[: len(data)] = np.frombuffer(data, np.uint8)
             data = None
-        segs = sorted({_shm.Handle(*h).seg for h in handles})
-        fds = []
-        for s in segs:
-            seg = p.arena.segment(s)
-            if seg is None or seg.fd is None:
-                raise ShmHandleError(f"segment {s} of this process's shared memory was closed while sending")
-            fds.append(seg.fd)
-        owned, bundled = [], 0
+            where.append((0, 0))
+            if (0, blob[0]) not in seen:
+                segs.append((0, blob[0]))
+        for oi, s in segs:
+            fd = None if reuse is None else reuse.fds.get((oi, s))
+            if fd is None:
+                seg = p.arena.segment(s)
+                if seg is None or seg.fd is None:
+                    raise ShmHandleError(f"segment {s} of this process's shared memory was closed while sending")
+                fd = seg.fd
+            fds.append(fd)
+        if reuse is not None:
+            owned, reuse.owned = reuse.owned, []
+        bundled = 0
         if len(fds) > MAX_FDS:  # more than one packet may carry: the rest travel in a bundle
             bundled = len(fds) - (MAX_FDS - 1)
             owned.append(_bundle(fds[MAX_FDS - 1 :]))
-            fds = fds[: MAX_FDS - 1] + owned
+            fds = fds[: MAX_FDS - 1] + owned[-1:]
+        owners = tuple(reuse.owners) if reuse is not None else (p.key,)
         packet = pickle.dumps(
-            (MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled), protocol=PICKLE_PROTOCOL
+            (MAGIC, p.key, data, enc.entries, tuple(segs), blob, p.live_segments(), bundled, owners, tuple(where)),
+            protocol=PICKLE_PROTOCOL,
         )
     except BaseException:
         for h in handles:
             p.drop(h)
+        if reuse is not None:
+            reuse.owned.extend(owned)
+            reuse.give_back()
         raise
-    return Outgoing(packet, fds, handles, owned)
+    return Outgoing(packet, fds, handles, owned, reuse.leases if reuse is not None else ())
 
 
 def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
@@ -447,8 +764,59 @@ class _Consumer:
     def mapper(self, key) -> _shm.Mapper:
         m = self.mappers.get(key)
         if m is None:
-            m = self.mappers[key] = _shm.Mapper(None, label=f"process {key[0]}")
+            m = self.mappers[key] = _shm.Mapper(None, label=f"process {key[0]}", keep_fds=True)
         return m
+
+    def forward(self, x: Any) -> tuple[Any, tuple, int, Any, tuple[int, int]] | None:
+        """``(owner key, entry, fd, mapping, lease)`` to send the received jax.Array ``x`` on by
+        handle: ``x`` is exactly the one buffer of a live received slot, whose segment's fd is
+        kept here (``fd``: a duplicate, the caller's to close) and which had a free lease
+        (Note [sending by handle]). None otherwise (copy it)."""
+        from .. import _codec, _wire
+
+        ptr = _wire._pointer(x)
+        if ptr is None:
+            return None
+        with self.lock:
+            found = next(((k, m, m.live[ptr]) for k, m in self.mappers.items() if ptr in m.live), None)
+            if found is None:
+                return None
+            key, m, h = found
+            seg = m.segs.get(h.seg)
+            if seg is None or seg.fd is None or seg.mm is None:
+                return None
+            try:
+                meta, bufs = _codec.encode(x)
+            except Exception:  # noqa: BLE001 - not ours to judge here: the copy path raises it
+                return None
+            if meta.indices or len(bufs) != 1 or bufs[0].nbytes > h.nbytes or _wire._pointer(bufs[0]) != ptr:
+                return None
+            lease = _take_lease(seg.mm, seg.fd, h.offset - HEADER, forwarding=True)
+            if lease is None:
+                return None
+            try:
+                fd = os.dup(seg.fd)
+            except OSError:  # out of fds: copy instead
+                _give_lease(seg.mm, h.offset - HEADER, *lease)
+                return None
+            entry = ("jax", tuple(meta), ((0, bufs[0].nbytes),), tuple(h))
+            return key, entry, fd, seg.mm, lease
+
+    def trim_fds(self) -> None:
+        """Keep at most MAX_KEPT_FDS segment fds, and a quarter of the open-file limit (the
+        oldest mapped ones are closed first: their arrays are copied when forwarded). Called
+        with ``self.lock`` held."""
+        kept = [(m, s) for m in self.mappers.values() for s in m.segs.values() if s.fd is not None]
+        if len(kept) <= 8:
+            return
+        budget = min(MAX_KEPT_FDS, _fd_limit() // 4)
+        if len(kept) <= budget:
+            return
+        with _headers:
+            for _m, seg in kept[: len(kept) - budget]:
+                if seg.mm is not None:
+                    fd, seg.fd = seg.fd, None
+                    _close_all([fd])
 
     def apply_releases(self) -> None:
         """Write the releases of dropped arrays into their slot headers (cheap when none)."""
@@ -465,6 +833,16 @@ class _Consumer:
             )
             self.thread.start()
         self.wake.set()
+
+
+def _fd_limit() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return soft if 0 < soft < (1 << 20) else 1 << 20
 
 
 def _release_loop(ref) -> None:
@@ -552,6 +930,28 @@ def _garbage(why: str) -> TransportError:
     )
 
 
+def _parse(packet: bytes) -> tuple:
+    rec = pickle.loads(packet)
+    magic, key, data, entries, segs, blob, live, bundled, owners, where = rec
+    if magic != MAGIC:
+        raise ValueError("bad magic")
+    owners = tuple((int(k[0]), bytes(k[1])) for k in owners)
+    if not owners or owners[0] != (int(key[0]), bytes(key[1])):
+        raise ValueError("the first owner is not the sender")
+    segs = tuple((int(oi), int(s)) for oi, s in segs)
+    where = tuple((int(oi), int(j)) for oi, j in where)
+    narrays = sum(1 for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax"))
+    if len(where) != narrays + (blob is not None):
+        raise ValueError(f"{len(where)} leases for {narrays + (blob is not None)} slots")
+    for oi, s in segs:
+        if not 0 <= oi < len(owners) or s < 0:
+            raise ValueError(f"segment {s} of owner {oi} is out of range")
+    for oi, j in where:
+        if not 0 <= oi < len(owners) or not 0 <= j < LEASES:
+            raise ValueError(f"lease {j} of owner {oi} is out of range")
+    return data, entries, segs, blob, live, int(bundled), owners, where
+
+
 def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> Any:
     """Rebuild a message: map its segments (once per segment), claim its slots, and unpickle with
     arrays aliasing them. Raises ShmHandleError / TransportError for a corrupt message (its fds
@@ -563,13 +963,7 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     ``pickle.loads`` rebuilds the object, as from the stock module's bytes), and its slots are
     given back at once."""
     try:
-        rec = pickle.loads(packet)
-        magic, key, data, entries, segs, blob, live, bundled = rec
-        if magic != MAGIC:
-            raise ValueError("bad magic")
-        key = (int(key[0]), bytes(key[1]))
-        segs = tuple(int(s) for s in segs)
-        bundled = int(bundled)
+        data, entries, segs, blob, live, bundled, owners, where = _parse(packet)
     except Exception as e:  # noqa: BLE001 - anything: the packet is garbage
         _close_all(fds)
         raise _garbage(f"{type(e).__name__}: {e}"[:300]) from None
@@ -590,56 +984,59 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     c = consumer()
     with c.lock:
         c.apply_releases()
-        m = c.mapper(key)
-        for i, (s, fd) in enumerate(zip(segs, fds)):
-            try:
-                m.adopt(s, fd)
-            except BaseException:
-                _close_all(fds[i + 1 :])
-                raise
+        with _headers:  # a duplicate fd closed here would drop this process's header locks
+            for i, ((oi, s), fd) in enumerate(zip(segs, fds)):
+                try:
+                    c.mapper(owners[oi]).adopt(s, fd)
+                except BaseException:
+                    _close_all(fds[i + 1 :])
+                    raise
         handles = [e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax")]
-        tokens = []
+        claimed: list[tuple] = []  # (mapper, token, handle) per slot, in order
         try:
-            for h in handles + ([blob] if blob is not None else []):
-                tokens.append(_claim(m, h, c))
+            for h, (oi, j) in zip(handles + ([blob] if blob is not None else []), where):
+                m = c.mapper(owners[oi])
+                claimed.append((m, _claim(m, h, c, j), h))
             if blob is not None:
+                m, tok, _h = claimed.pop()
                 mm = m.mapping(int(blob[0]))
                 boff, bn = int(blob[1]), int(blob[2])
                 data = bytes(memoryview(mm)[boff : boff + bn])
-                _write_release(m, tokens.pop())
+                _write_release(m, tok)
         except BaseException:
-            for t in tokens:  # no holder exists yet: give every claimed slot back
+            for m, t, _h in claimed:  # no holder exists yet: give every claimed slot back
                 _write_release(m, t)
             raise
         if raw:
             try:
                 if entries:
-                    data = _wire.standalone(data, entries, lambda h: _slot_view(m, h))
+                    views = iter(claimed)
+                    data = _wire.standalone(data, entries, lambda h: _slot_view(next(views)[0], h))
             finally:
-                for t in tokens:  # no holder: each claimed slot goes back now
+                for m, t, _h in claimed:  # no holder: each claimed slot goes back now
                     _write_release(m, t)
-                _forget_dropped(c, key, m, live)
+                _forget_dropped(c, owners[0], live)
             return data
-        releases = {tuple(h): t for h, t in zip(handles, tokens)}
         try:
-            obj = _decode_entries(_wire, data, entries, m, placement, releases)
+            obj = _wire.decode(data, entries, _Claimed(claimed), placement)  # type: ignore[arg-type]
         except BaseException as e:
             for i in getattr(e, "unheld", ()):
-                h = entries[i][-1] if i < len(entries) else None
-                t = releases.get(tuple(h)) if isinstance(h, tuple) else None
-                if t is not None:
-                    _write_release(m, t)
+                if i < len(claimed):
+                    _write_release(claimed[i][0], claimed[i][1])
             raise
-        _forget_dropped(c, key, m, live)
-    if m.live:
+        _forget_dropped(c, owners[0], live)
+        c.trim_fds()
+        busy = any(m.live for m in c.mappers.values())
+    if busy:
         c.ensure_thread()
     return obj
 
 
-def _forget_dropped(c: _Consumer, key, m: _shm.Mapper, live) -> None:
+def _forget_dropped(c: _Consumer, key, live) -> None:
     """Unmap the sender's segments that it no longer has. Segment ids are never reused, and a
     segment is dropped only when no message or array holds a slot in it; only the newest
-    list seen is applied (a list from an older epoch may lack segments made since)."""
+    list seen is applied (a list from an older epoch may lack segments made since, which may
+    have reached this process forwarded by another: only ids up to the epoch are judged)."""
     try:
         epoch, ids = int(live[0]), set(live[1])
     except (TypeError, ValueError, IndexError):
@@ -647,12 +1044,16 @@ def _forget_dropped(c: _Consumer, key, m: _shm.Mapper, live) -> None:
     if epoch < c.epochs.get(key, 0):
         return
     c.epochs[key] = epoch
-    gone = [s for s in m.segs if s not in ids]
+    m = c.mappers.get(key)
+    if m is None:
+        return
+    gone = [s for s in m.segs if s <= epoch and s not in ids]
     if gone:
-        m.forget(gone)
+        with _headers:
+            m.forget(gone)
 
 
-def _claim(m: _shm.Mapper, h, c: _Consumer):
+def _claim(m: _shm.Mapper, h, c: _Consumer, j: int):
     try:
         seg_id, off, nbytes, _gen = (int(x) for x in h)
     except (TypeError, ValueError):
@@ -663,9 +1064,15 @@ def _claim(m: _shm.Mapper, h, c: _Consumer):
     hoff = off - HEADER
     if hoff < 0 or off + nbytes > len(mm):
         raise ShmHandleError(f"Bad shared-memory handle {h!r}: outside segment {seg_id} of {m.label}")
-    serial = struct.unpack_from("<Q", mm, hoff)[0]
-    struct.pack_into("<QQ", mm, hoff + 16, c.pid, c.start)
-    return (seg_id, hoff, serial)
+    loff = hoff + j * _LEASE.size
+    serial, released, rpid, _tok = _LEASE.unpack_from(mm, loff)
+    if serial == released or rpid:
+        raise ShmHandleError(
+            f"Bad shared-memory handle {h!r}: lease {j} of its slot in segment {seg_id} of {m.label} is not "
+            "in flight (the message was received twice, or is stale or corrupt)"
+        )
+    struct.pack_into("<QQ", mm, loff + 16, c.pid, c.start)
+    return (seg_id, loff, serial)
 
 
 def _slot_view(m: _shm.Mapper, h) -> memoryview:
@@ -675,20 +1082,19 @@ def _slot_view(m: _shm.Mapper, h) -> memoryview:
 
 
 class _Claimed:
-    """The Mapper as ``_wire.decode`` sees it: each holder's release token names the slot
-    header to write (Note [queue slot lifetime])."""
+    """The Mappers as ``_wire.decode`` sees them: the message's claimed slots in order, each
+    holder's release token naming the lease to write (Note [queue slot lifetime])."""
 
-    __slots__ = ("m", "tokens")
+    __slots__ = ("claimed", "i")
 
-    def __init__(self, m: _shm.Mapper, tokens: dict):
-        self.m, self.tokens = m, tokens
+    def __init__(self, claimed: list):
+        self.claimed, self.i = claimed, 0
 
     def holder(self, handle, release=None):
-        tok = self.tokens.get(tuple(handle)) if isinstance(handle, (tuple, list)) else None
-        if tok is None:
+        if self.i >= len(self.claimed):
             raise ShmHandleError(f"Corrupt message: handle {handle!r} is not among the message's slots")
-        return self.m.holder(handle, tok)
-
-
-def _decode_entries(_wire, data, entries, m: _shm.Mapper, placement: str, releases: dict):
-    return _wire.decode(data, entries, _Claimed(m, releases), placement)
+        m, tok, h = self.claimed[self.i]
+        if not isinstance(handle, (tuple, list)) or tuple(handle) != tuple(h):
+            raise ShmHandleError(f"Corrupt message: handle {handle!r} is not among the message's slots")
+        self.i += 1
+        return m.holder(handle, tok)
