@@ -295,6 +295,28 @@ def _startup() -> None:
                                                    transport=t)
 
 
+def _forward() -> None:
+    """``forward.json``: arrays already in shared memory, sent on by handle (256 MiB)."""
+    size = 256 * MiB
+    for name, t, tag in (
+        ("relay", "jaxtransport (relay forwards by handle)", "relay"),
+        ("relay", "jaxtransport (fresh array, copied)", "relay.fresh"),
+        ("chain", "jaxtransport (3 relays by handle)", "chain"),
+        ("fanout", "jaxtransport (one array to 4 queues)", "fanout"),
+        ("fanout", "jaxtransport (4 arrays, 4 copies)", "fanout.copies"),
+        ("resend", "jaxtransport (same array, by handle)", "resend"),
+        ("resend", "torch.multiprocessing (shared tensor)", "resend.torch"),
+        ("memcpy", "memcpy", "memcpy"),
+    ):
+        FIGURES[f"forward.{tag}.ms"] = F("forward", "seconds", "ms", name=name, size=size, transport=t)
+        if name != "memcpy":
+            FIGURES[f"forward.{tag}.memcpy"] = F("forward", "vs_memcpy", "x2", name=name, size=size, transport=t)
+    FIGURES["forward.resend.vs_torch"] = F("forward", "vs_torch", "x2", name="resend", size=size,
+                                           transport="jaxtransport (same array, by handle)")
+    FIGURES["forward.torch.version"] = F("forward", "torch_version", "raw", name="resend", size=size,
+                                         transport="torch.multiprocessing (shared tensor)")
+
+
 def _others() -> None:
     FIGURES["usercode.mp.ms"] = F("usercode", "seconds", "ms", name="__main__ jitted task",
                                   transport="multiprocessing.Pool")
@@ -318,6 +340,7 @@ def _others() -> None:
                                                transport="jaxtransport.multiprocessing")
             FIGURES[f"{q}.{tag}.memcpy"] = F("queue", "vs_memcpy", "x", name=q, size=size,
                                              transport="jaxtransport.multiprocessing")
+    _forward()
     FIGURES["queue.64m.torch.version"] = F("queue", "torch_version", "raw", name="queue", size=64 * MiB,
                                            transport="torch.multiprocessing")
     FIGURES["queue.64m.jt.gbps"] = F("queue", "gbps", "gbps", name="queue", size=64 * MiB,
@@ -681,6 +704,12 @@ BENCHMARKS_ROWS = [
         "{queue.64m.torch.s} / {queue.1g.torch.s}",
         "{queue.64m.jt.s} / {queue.1g.jt.s} ({queue.64m.memcpy} / {queue.1g.memcpy} a warm memcpy)",
         "{queue.64m.ratio} / {queue.1g.ratio}; {queue.64m.vs_torch} / {queue.1g.vs_torch} torch"),
+    Row("`jaxtransport.multiprocessing`, 256 MiB already in shared memory: a relay's put of what it received / "
+        "one new array to 4 queues, to the 4th ack / the same array re-sent, to the ack",
+        "a put that copies: {forward.relay.fresh.ms}; 4 arrays to 4 queues: {forward.fanout.copies.memcpy} a warm "
+        "memcpy; `torch.multiprocessing` re-sending a shared tensor ({forward.torch.version}): {forward.resend.torch.ms}",
+        "{forward.relay.ms} / {forward.fanout.memcpy} a warm memcpy / {forward.resend.ms}",
+        "re-sent: {forward.resend.vs_torch} torch"),
     Row("`jaxtransport.multiprocessing.Pipe`, steady state: 64 MiB / 1 GiB",
         "{pipe.64m.mp.s} / {pipe.1g.mp.s}; torch: {pipe.64m.torch.s} / {pipe.1g.torch.s}",
         "{pipe.64m.jt.s} / {pipe.1g.jt.s}",

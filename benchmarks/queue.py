@@ -6,9 +6,10 @@ One message = the producer (this process) puts/sends one array of ``size`` bytes
 process (spawn, started once per transport) gets it, makes it ready (``block_until_ready`` /
 a read of one element) and answers with a tiny acknowledgement, which the producer waits for.
 Steady state: each size is sent twice before timing (recycled shared memory, no fresh pages).
-For jax every message is a fresh copy of the producer's array (it lives in XLA's memory); for
-torch a fresh tensor (``clone()``, made outside the timed region) is put each time, so that
-torch's ``share_memory_()`` copy is inside it, as for a tensor an actor just computed.
+Every message is a new array made outside the timed region, as one an actor just computed: for
+jax a new jax.Array in XLA's memory (``x + 0``: the same array sent again would go by handle,
+which ``benchmarks/forward.py`` measures), so the put's copy into shared memory is timed; for
+torch a fresh tensor (``clone()``), so that torch's ``share_memory_()`` copy is timed.
 
 Rows: ``queue``/``pipe`` per size and transport; ``ratio`` = stock multiprocessing (no
 register) seconds / this transport's seconds (higher is better), ``vs_torch`` = torch seconds /
@@ -190,10 +191,15 @@ def run(quick: bool = False, max_bytes: int | None = None, torch: bool = True) -
                     else:
                         x = jnp.arange(nbytes // 4, dtype=jnp.float32)
                         jax.block_until_ready(x)
-                        prepare = None
+                        made = []
+
+                        # A new array each message, as an actor's new trajectory (the same one
+                        # sent again goes by handle: benchmarks/forward.py measures that).
+                        def prepare():
+                            made.append(jax.block_until_ready(x + 0))
 
                         def fn():
-                            ep.one(x)
+                            ep.one(made.pop())
 
                         slow = transport != JT
                     reps = _reps(nbytes, slow)
@@ -215,7 +221,7 @@ def run(quick: bool = False, max_bytes: int | None = None, torch: bool = True) -
                     if transport == TORCH:
                         del src, fresh
                     else:
-                        del x
+                        del x, made
                     gc.collect()
             finally:
                 ep.close()

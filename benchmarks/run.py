@@ -58,6 +58,7 @@ BENCHMARKS = (
     ("rollouts", "benchmarks.rollouts"),
     ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("queue", "benchmarks.queue"),
+    ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),
     ("platforms", "benchmarks.platforms"),
 )
