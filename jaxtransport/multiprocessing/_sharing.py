@@ -778,7 +778,8 @@ class _Consumer:
         if ptr is None:
             return None
         with self.lock:
-            found = next(((k, m, m.live[ptr]) for k, m in self.mappers.items() if ptr in m.live), None)
+            # ``live`` loses entries from finalizers in any thread: one ``get`` per mapper.
+            found = next(((k, m, h) for k, m in self.mappers.items() if (h := m.live.get(ptr)) is not None), None)
             if found is None:
                 return None
             key, m, h = found
