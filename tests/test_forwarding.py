@@ -471,3 +471,42 @@ def test_jitted_results_and_donated_arrays(method):
     finally:
         _end(p)
         q.close(), out.close()
+
+
+def produce_sizes(q, sizes):
+    for n in sizes:
+        x = jnp.full((n // 4,), float(n), jnp.float32)
+        q.put(x)
+        del x
+    q.put(None)
+    q.close()
+    q.join_thread()
+
+
+def test_idle_segments_of_an_owner_seen_only_forwarded_are_unmapped(monkeypatch):
+    """This process gets A's slots only through a relay, so A never says which segments it
+    dropped: beyond FOREIGN_MAPPED_MAX, A's segments with no array over them are unmapped, and
+    a later message naming one brings its fd again."""
+    if not _by_handle():
+        pytest.skip("forwarding copies here: only the relay's own segments arrive")
+    monkeypatch.setattr(_sharing, "FOREIGN_MAPPED_MAX", 4 << 20)
+    ctx = jmp.get_context("spawn")
+    q1, q2, out = ctx.Queue(shm_threshold=THRESH), ctx.Queue(shm_threshold=THRESH), ctx.Queue()
+    sizes = [(1 << 20) * k for k in (1, 2, 3, 5, 8, 13)] * 2
+    a = _start(ctx, produce_sizes, q1, sizes)
+    b = _start(ctx, relay, q1, q2, out, False)
+    try:
+        c = _sharing.consumer()
+        for n in sizes:
+            x = q2.get(timeout=60)
+            assert x.nbytes == n and checksum(x) == float(n) * (n // 4)
+            del x
+        assert q2.get(timeout=60) is None
+        a.join(30), b.join(30)
+        with c.lock:
+            foreign = [m for k, m in c.mappers.items() if k not in c.senders]
+            mapped = sum(s.size for m in foreign for s in m.segs.values() if s.mm is not None)
+        assert foreign and mapped <= (4 << 20) + max(s.size for m in foreign for s in m.segs.values()), mapped
+    finally:
+        _end(a, b)
+        q1.close(), q2.close(), out.close()

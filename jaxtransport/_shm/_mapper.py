@@ -49,9 +49,11 @@ def collect_deferred() -> None:
 
 
 def _on_holder_dead(pending, registry, addr, release) -> None:
-    # Runs from a weakref finalizer, possibly in any thread: atomic operations only.
-    registry.pop(addr, None)
+    # Runs from a weakref finalizer, possibly in any thread: atomic operations only. The
+    # release is queued before the holder leaves the registry, so that a reader who looks at
+    # ``live`` then ``pending`` always sees a slot in one of them until its release is taken.
     pending.append(release)
+    registry.pop(addr, None)
 
 
 class Mapper:
@@ -198,6 +200,15 @@ class Mapper:
         if h is not None and h.nbytes == nbytes:
             return h
         return None
+
+    def unmap(self, seg_id: int) -> int:
+        """Drop the mapping and fd of ``seg_id`` without forgetting the segment (a later message
+        may bring its fd again); the bytes unmapped. The caller knows nothing is over it."""
+        m = self.segs.pop(seg_id, None)
+        if m is None:
+            return 0
+        close_quietly(m)
+        return m.size
 
     def forget(self, seg_ids) -> None:
         for seg_id in seg_ids:

@@ -63,7 +63,9 @@ Data already in shared memory travels on by handle, with no copy, in two cases:
   sent on by the receiver as a lease on the *owner's* slot: the receiver keeps each segment's
   fd while it is mapped (``Mapper(keep_fds=True)``, at most MAX_KEPT_FDS per process) and
   passes it on, so the next receiver maps the owner's segment, and a chain A->B->C->D or a round
-  trip A->B->A copies nothing. The packet names each slot's owner (``owners``, ``where``).
+  trip A->B->A copies nothing. The packet names each slot's owner (``owners``, ``where``). An
+  owner that never sends to a process itself never tells it which segments it dropped: that
+  process unmaps such owners' idle segments beyond FOREIGN_MAPPED_MAX (``trim_foreign``).
 
 Several processes may take leases on one slot at once (the owner re-sending, receivers
 forwarding), so taking a lease, and the owner's last look before it frees a slot, happen under
@@ -108,6 +110,7 @@ MAX_PACKET = 32 << 10  # larger pickles travel in a slot (Note [queue messages])
 RECV_BUF = 64 << 10
 MAX_FDS = 250  # SCM_MAX_FD is 253
 MAX_KEPT_FDS = 256  # received segments' fds kept to forward from (Note [sending by handle])
+FOREIGN_MAPPED_MAX = 1 << 30  # bytes of idle segments kept mapped from owners that never sent here
 _MAX_LIVE_LISTED = 64
 _CAPACITY_GRACE_S = 10.0  # how long a put waits without any release before giving up
 _RELEASE_POLL_S = 0.02
@@ -758,6 +761,7 @@ class _Consumer:
         self.lock = threading.Lock()  # one thread decodes at a time (Mapper is not thread-safe)
         self.mappers: dict[tuple, _shm.Mapper] = {}
         self.epochs: dict[tuple, int] = {}  # newest segment list seen per sender
+        self.senders: set[tuple] = set()  # owners that sent to this process themselves
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -818,6 +822,30 @@ class _Consumer:
                 if seg.mm is not None:
                     fd, seg.fd = seg.fd, None
                     _close_all([fd])
+
+    def trim_foreign(self) -> None:
+        """Unmap idle segments of owners whose slots only reached this process forwarded (no
+        message of theirs says which segments they dropped, Note [queue messages]) beyond
+        FOREIGN_MAPPED_MAX bytes: a segment with no array over it and no release pending; a
+        later message naming it brings its fd again. Called with ``self.lock`` held."""
+        foreign = [m for k, m in self.mappers.items() if k not in self.senders]
+        total = sum(s.size for m in foreign for s in m.segs.values() if s.mm is not None)
+        if total <= FOREIGN_MAPPED_MAX:
+            return
+        for m in foreign:
+            for tok in m.take_releases():
+                _write_release(m, tok)
+            try:  # ``live`` first, then ``pending``: a dying holder is in one of them (_on_holder_dead)
+                busy = {h.seg for h in list(m.live.values())}
+                busy.update(t[0] for t in list(m.pending) if isinstance(t, tuple) and t)
+            except RuntimeError:  # changed by a finalizer while copied: next time
+                return
+            for seg_id, seg in list(m.segs.items()):
+                if total <= FOREIGN_MAPPED_MAX:
+                    return
+                if seg.mm is not None and seg_id not in busy:
+                    with _headers:  # a close drops this process's header locks on the file
+                        total -= m.unmap(seg_id)
 
     def apply_releases(self) -> None:
         """Write the releases of dropped arrays into their slot headers (cheap when none)."""
@@ -1026,7 +1054,10 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
                     _write_release(claimed[i][0], claimed[i][1])
             raise
         _forget_dropped(c, owners[0], live)
+        c.senders.add(owners[0])
         c.trim_fds()
+        if len(owners) > 1:
+            c.trim_foreign()
         busy = any(m.live for m in c.mappers.values())
     if busy:
         c.ensure_thread()
