@@ -473,9 +473,8 @@ def commit(
                     continue
             if reuse is not None and kind == "jax":
                 entry = reuse(x)
-                if entry is not None:
+                if entry is not None:  # its segment may be another process's: not in ``segs``
                     entries.append(entry)
-                    segs.add(entry[-1][0])
                     continue
             if kind == "np":
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)

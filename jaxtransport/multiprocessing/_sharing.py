@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import functools
 import os
 import pickle
@@ -127,26 +128,35 @@ def _proc_start(pid: int) -> int | None:
     return _os.process_token(pid)
 
 
+@contextlib.contextmanager
+def _header_locked(fd: int | None, hoff: int):
+    """The slot header at ``hoff`` locked for this process (``_headers``, then the record lock
+    over it): yields True when held, False when another process kept it (slow or stopped),
+    None when there are no record locks here (or no fd)."""
+    with _headers:
+        got = None if fd is None else _os.try_lock_range(fd, hoff, HEADER)
+        try:
+            yield got
+        finally:
+            if got:
+                _os.unlock_range(fd, hoff, HEADER)  # type: ignore[arg-type]
+
+
 def _take_lease(mm, fd: int | None, hoff: int, forwarding: bool) -> tuple[int, int] | None:
     """A free lease of the slot whose header is at ``hoff`` made in flight: ``(index, serial)``,
     or None (copy instead) when none is free or the header lock cannot be had. The owner may
     go on without record locks where the host has none (then nobody else takes leases);
     a forwarder may not."""
-    with _headers:
-        got = None if fd is None else _os.try_lock_range(fd, hoff, HEADER)
+    with _header_locked(fd, hoff) as got:
         if got is False or (got is None and forwarding):
             return None
-        try:
-            for j in range(LEASES):
-                off = hoff + j * _LEASE.size
-                serial, released, _pid, _tok = _LEASE.unpack_from(mm, off)
-                if serial == released:
-                    _LEASE.pack_into(mm, off, released + 1, released, 0, 0)
-                    return j, released + 1
-            return None
-        finally:
-            if got:
-                _os.unlock_range(fd, hoff, HEADER)  # type: ignore[arg-type]
+        for j in range(LEASES):
+            off = hoff + j * _LEASE.size
+            serial, released, _pid, _tok = _LEASE.unpack_from(mm, off)
+            if serial == released:
+                _LEASE.pack_into(mm, off, released + 1, released, 0, 0)
+                return j, released + 1
+        return None
 
 
 def _give_lease(mm, hoff: int, j: int, serial: int) -> None:
@@ -307,9 +317,9 @@ class Producer:
             for key in list(self.pins):
                 self._unpin(key)
 
-    def lease_pinned(self, x: Any) -> tuple[tuple, int, tuple[int, int]] | None:
-        """``(entry, fd, (lease index, serial))`` to send ``x`` again by handle, when ``x`` is
-        a pinned jax.Array and its slot has a free lease; else None."""
+    def lease_pinned(self, x: Any) -> tuple[tuple, int, Any, tuple[int, int]] | None:
+        """``(entry, fd, mapping, (lease index, serial))`` to send ``x`` again by handle, when
+        ``x`` is a pinned jax.Array and its slot has a free lease; else None."""
         rec = self.pins.get(id(x))
         if rec is None or rec[0]() is not x:
             return None
@@ -330,7 +340,7 @@ class Producer:
             lease = _take_lease(seg.mm, seg.fd, sent.handle.offset, forwarding=False)
             if lease is None:
                 return None
-            return sent.entry, seg.fd, lease
+            return sent.entry, seg.fd, seg.mm, lease
 
     def reap(self, limit: int | None = None, dead_too: bool = False, only: list | None = None) -> int:
         """Free slots that nothing holds any more: every lease free (with ``dead_too``, a
@@ -369,15 +379,8 @@ class Producer:
         forwarder is missed (Note [sending by handle])."""
         if not _leases_free(seg.mm, hoff, dead_too, starts, reap=False):
             return False
-        with _headers:
-            got = _os.try_lock_range(seg.fd, hoff, HEADER) if seg.fd is not None else None
-            if got is False:
-                return False
-            try:
-                return _leases_free(seg.mm, hoff, dead_too, starts, reap=True)
-            finally:
-                if got:
-                    _os.unlock_range(seg.fd, hoff, HEADER)
+        with _header_locked(seg.fd, hoff) as got:
+            return got is not False and _leases_free(seg.mm, hoff, dead_too, starts, reap=True)
 
     def waiter(self, timeout: float | None):
         """An Arena wait hook for one put: wait while receivers keep releasing memory (or until
@@ -514,32 +517,25 @@ class _Reuse:
         self.leases: list[tuple] = []  # (mm, hoff, j, serial) taken here
 
     def __call__(self, x: Any) -> tuple | None:
-        got = self.p.lease_pinned(x)
-        if got is not None:
-            entry, fd, (j, serial) = got
-            seg = self.p.arena.segment(entry[-1][0])
-            self.leases.append((seg.mm, entry[-1][1] - HEADER, j, serial))  # type: ignore[union-attr]
-            self.by_id[id(x)] = (0, entry[-1][0], j)
-            self.fds.setdefault((0, entry[-1][0]), fd)
-            return entry
-        if self.c is None or not self.c.mappers:
-            return None
-        fwd = self.c.forward(x)
-        if fwd is None:
-            return None
-        key, entry, fd, mm, (j, serial) = fwd
-        self.leases.append((mm, entry[-1][1] - HEADER, j, serial))
-        if key == self.p.key:
-            oi = 0
+        pinned = self.p.lease_pinned(x)
+        if pinned is not None:  # this process's own slot: the arena's fd, not ours to close
+            key, (entry, fd, mm, lease), dup = self.p.key, pinned, False
         else:
-            if key not in self.owners:
-                self.owners.append(key)
-            oi = self.owners.index(key)
-        self.by_id[id(x)] = (oi, entry[-1][0], j)
-        if (oi, entry[-1][0]) not in self.fds:
-            self.fds[(oi, entry[-1][0])] = fd
-            self.owned.append(fd)
-        else:
+            fwd = self.c.forward(x) if self.c is not None and self.c.mappers else None
+            if fwd is None:
+                return None
+            (key, entry, fd, mm, lease), dup = fwd, True  # a duplicate fd, this message's to close
+        seg, j = entry[-1][0], lease[0]
+        self.leases.append((mm, entry[-1][1] - HEADER, *lease))
+        if key not in self.owners:
+            self.owners.append(key)
+        oi = self.owners.index(key)  # 0: this process (also a round trip's own slot)
+        self.by_id[id(x)] = (oi, seg, j)
+        if (oi, seg) not in self.fds:
+            self.fds[(oi, seg)] = fd
+            if dup:
+                self.owned.append(fd)
+        elif dup:
             _close_owned([fd])
         return entry
 
@@ -621,13 +617,11 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
     reuse = _Reuse(p) if prep.found and not _os.in_band() else None
     try:
         enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), reuse=reuse)  # type: ignore[arg-type]
-    except ShmCapacityError as e:
+    except BaseException as e:
         if reuse is not None:
             reuse.give_back()
-        raise _capacity_error(p, e) from None
-    except BaseException:
-        if reuse is not None:
-            reuse.give_back()
+        if isinstance(e, ShmCapacityError):
+            raise _capacity_error(p, e) from None
         raise
     handles = list(enc.handles)
     owned: list[int] = []
@@ -1055,7 +1049,8 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
             raise
         _forget_dropped(c, owners[0], live)
         c.senders.add(owners[0])
-        c.trim_fds()
+        if fds:  # only a message's fds add kept ones
+            c.trim_fds()
         if len(owners) > 1:
             c.trim_foreign()
         busy = any(m.live for m in c.mappers.values())
