@@ -52,7 +52,7 @@ __all__ = [
     "loads",
     "loads_each",
     "prepare",
-    "prepare_many",
+    "prepare_calls",
     "standalone",
     "task_function",
 ]
@@ -392,17 +392,78 @@ def prepare(
         _encoding.router = outer
 
 
-def prepare_many(
-    objs: list, *, threshold: int | None, tree_type: type | None = None, locates: Any = None
+# Note [one head, many chunks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A map's chunk is the tuple ``(fn, mode, items)``. Pickled whole, every chunk pays again for
+# ``fn``: the pickler looks its module up and checks the name for each one (about half of a
+# small chunk's pickling). ``prepare_calls`` pickles ``(fn, mode)`` once and keeps its opcodes
+# (the head), then pickles each chunk's ``items`` alone and writes
+#
+#     PROTO 5 | head | items' opcodes (their PROTO, first FRAME and STOP cut) | TUPLE3 | STOP
+#
+# which ``pickle.loads`` reads as the tuple the whole pickle would give. The head is used only
+# if it stores nothing in the memo and reads nothing from it (its memo opcodes are dropped), so
+# the items' memo indices, which count from 0, still mean what they meant. Items whose pickle
+# is more than one frame (``_ONE_FRAME``), a head that carries arrays or mentions the main
+# script, and items that do, go the way a single chunk goes.
+_ONE_FRAME = 60 << 10  # the C pickler cuts frames at 64 KiB: below this, one frame at most
+_MEMO_OPS = frozenset(("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"))
+_REFUSED_OPS = frozenset(("GET", "BINGET", "LONG_BINGET", "PERSID", "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER"))
+
+
+def _call_head(fn: Any, mode: str, tree_type: type | None, limit: int) -> bytes | None:
+    """The opcodes that push ``fn`` and ``mode`` (Note [one head, many chunks]), or None."""
+    import pickletools
+
+    router = _Router(limit, tree_type)
+    outer = getattr(_encoding, "router", None)
+    _encoding.router = router
+    try:
+        buf = io.BytesIO()
+        p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
+        p.dispatch_table = _fast_table(tree_type)
+        p.dump((fn, mode))
+        data = buf.getvalue()
+    except Exception:  # noqa: BLE001 - a Tracer or anything unpicklable: the general path names it
+        return None
+    finally:
+        _encoding.router = outer
+    if router.found or router.trees or _mentions_main(data):
+        return None
+    ops = list(pickletools.genops(data))
+    names = [op.name for op, _arg, _pos in ops]
+    # PROTO, [FRAME], the pushes of fn and mode, TUPLE2, [MEMOIZE], STOP
+    if names[0] != "PROTO" or names[-1] != "STOP" or _REFUSED_OPS.intersection(names):
+        return None
+    head = []
+    for k, (op, _arg, pos) in enumerate(ops[:-1]):
+        if op.name in _MEMO_OPS or op.name in ("PROTO", "FRAME"):
+            continue
+        head.append((op.name, data[pos : ops[k + 1][2]]))
+    if not head or head[-1][0] != "TUPLE2":
+        return None
+    return b"".join(raw for _name, raw in head[:-1])
+
+
+def prepare_calls(
+    fn: Any, mode: str, parts: list, *, threshold: int | None, tree_type: type | None = None, locates: Any = None
 ) -> list[Prepared]:
-    """``[prepare(obj, ...) for obj in objs]`` (``locates[i]`` for ``objs[i]``), with one
-    pickler and the checks that do not depend on the object done once: a map's chunks."""
-    if len(objs) < 2 or _usercode.registered_by_value():
+    """``[prepare((fn, mode, items), ...) for items in parts]`` (``locates[i]`` for
+    ``parts[i]``), with one pickler, ``fn`` and ``mode`` pickled once (Note [one head, many
+    chunks]) and the checks that do not depend on the items done once: a map's chunks."""
+    if len(parts) < 2 or _usercode.registered_by_value():
         return [
-            prepare(obj, threshold=threshold, tree_type=tree_type, locate=None if locates is None else locates[i])
-            for i, obj in enumerate(objs)
+            prepare(
+                (fn, mode, items),
+                threshold=threshold,
+                tree_type=tree_type,
+                locate=None if locates is None else locates[i],
+            )
+            for i, items in enumerate(parts)
         ]
     limit = threshold if threshold is not None else 1 << 62
+    head = _call_head(fn, mode, tree_type, limit)
+    start = b"\x80\x05" + head if head is not None else None  # PROTO 5, then the head
     buf = io.BytesIO()
     p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(tree_type)
@@ -411,16 +472,32 @@ def prepare_many(
     outer = getattr(_encoding, "router", None)
     router = _Router(limit, tree_type)
     try:
-        for i, obj in enumerate(objs):
-            if router.found:  # one router serves every object until one sets something aside
+        for i, items in enumerate(parts):
+            if router.found:  # one router serves every chunk until one sets something aside
                 router = _Router(limit, tree_type)
             _encoding.router = router
             buf.seek(0)
             buf.truncate()
             p.clear_memo()
+            data: bytes | None
             try:
-                p.dump(obj)
-                data: bytes | None = buf.getvalue()
+                if start is None:
+                    p.dump((fn, mode, items))
+                    data = buf.getvalue()
+                else:
+                    p.dump(items)
+                    data = buf.getvalue()
+                    if len(data) < _ONE_FRAME:
+                        # PROTO (2 bytes), FRAME and its length (9) when framed; STOP cut.
+                        body = data[11:-1] if data[2] == 0x95 else data[2:-1]
+                        data = start + body + b"\x87."  # TUPLE3, STOP
+                    else:
+                        buf.seek(0)
+                        buf.truncate()
+                        p.clear_memo()
+                        router = _encoding.router = _Router(limit, tree_type)  # anew: whole
+                        p.dump((fn, mode, items))
+                        data = buf.getvalue()
             except tracer_error:
                 raise
             except Exception:
@@ -431,13 +508,16 @@ def prepare_many(
                 _encoding.router = outer
                 out.append(
                     prepare(
-                        obj, threshold=threshold, tree_type=tree_type, locate=None if locates is None else locates[i]
+                        (fn, mode, items),
+                        threshold=threshold,
+                        tree_type=tree_type,
+                        locate=None if locates is None else locates[i],
                     )
                 )
                 continue
             if router.found:
                 out.append(Prepared(data, router.found, router.trees))
-            else:  # lists of its own (the router's may yet be filled by the next object)
+            else:  # lists of its own (the router's may yet be filled by the next chunk)
                 out.append(Prepared(data, [], []))
     finally:
         _encoding.router = outer

@@ -544,3 +544,66 @@ def test_main_module_references_are_found_in_any_pickle():
     assert not _mentions_main(b"_" * 1000) and not _mentions_main(b"_a" * 100 + b"main__")
     assert not _mentions_main(pickle.dumps(np.ones(1000), 5))
     assert _mentions_main(pickle.dumps(np.ones(1000), 5) + b"__main__")
+
+
+def _chunk_pickles_equal(fn, mode, parts, threshold=None):
+    """``prepare_calls`` (one head, many chunks) against pickling each whole chunk."""
+    from jaxtransport import _wire
+
+    got = _wire.prepare_calls(fn, mode, parts, threshold=threshold)
+    assert len(got) == len(parts)
+    for prep, items in zip(got, parts):
+        _wire._decoding.resolved = [obj for _kind, obj in prep.found]  # what _entry(k) reads
+        try:
+            f, m, back = pickle.loads(prep.data)
+        finally:
+            del _wire._decoding.resolved
+        assert m == mode
+        assert pickle.dumps(back, 5) == pickle.dumps(items, 5)  # same values, same sharing
+        yield f, back, prep
+
+
+def test_map_chunks_share_one_pickled_head_and_read_back_the_same():
+    """Note [one head, many chunks]: each chunk's pickle is the function's opcodes once, then its
+    items'; memo references inside the items (the same list twice), arrays set aside for shared
+    memory, items larger than one pickle frame and a function that is not a plain name all read
+    back as pickling the whole chunk would."""
+    from jaxtransport import _wire
+
+    shared = [1, 2]
+    big = np.arange(1 << 15, dtype=np.float64)  # 256 KiB: over the threshold below
+    parts = [
+        [1],
+        [2.5, "x", None],
+        [shared, shared],
+        [{"k": (1, 2)}, {1: shared}],
+        [np.arange(5)],
+        [b"z" * 70_000],  # over one frame: the whole chunk is pickled
+        (1, 2),
+        [big, big],
+    ]
+    assert _wire._call_head(square, "map", None, 1 << 16) is not None
+    backs = [back for f, back, _prep in _chunk_pickles_equal(square, "map", parts, threshold=1 << 16) if f is square]
+    assert len(backs) == len(parts)
+    assert backs[2][0] is backs[2][1] and backs[-1][0] is backs[-1][1]  # memo references kept
+    found = _wire.prepare_calls(square, "map", parts, threshold=1 << 16)[-1].found
+    assert len(found) == 1 and found[0][1] is big  # set aside once, named twice
+    # A function whose pickle reads its own memo (a partial of one object twice) is pickled
+    # with each chunk; the chunks still read back.
+    import functools
+
+    twice = functools.partial(max, shared, shared)
+    assert _wire._call_head(twice, "map", None, 1 << 62) is None
+    for f, _back, _prep in _chunk_pickles_equal(twice, "map", [[1], [2]]):
+        assert f() == shared
+
+
+def test_map_of_a_range_and_of_mixed_items_matches_the_stock_pool(pool):
+    """A range is read into a list before it is cut into chunks (a chunk of it is a list, as
+    multiprocessing's are tuples); the answers are the stock pool's."""
+    items = [1, 2.5, "ab", (1, 2), [3, [4]], {"k": 5}, None, b"xy" * 40_000]
+    with multiprocessing.get_context("spawn").Pool(2) as stock:
+        for iterable, cs in ((range(50), 1), (range(7, 90, 3), 4), (items, 1), (items, 3), (tuple(items), 2)):
+            want = stock.map(repr, iterable, chunksize=cs)
+            assert pool.map(repr, iterable, chunksize=cs) == want
+            assert list(pool.imap(repr, iterable, chunksize=cs)) == want

@@ -49,6 +49,7 @@ from ._worker import WorkerConfig
 
 IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
 IMAP_WIDER = 64  # ... when its arguments needed none either (nothing of it in shared memory)
+IMAP_TOLD = 1 << 62  # imap_need once waiting feeders were woken (no second notify)
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
 # long (10x the scheduler's QUICK_S: only chunks of quick workers wait behind a running one).
@@ -285,16 +286,20 @@ class Engine:
             self.imap_need -= chunks
             if self.imap_need <= 0:
                 with self.space:
-                    self.space.notify_all()
+                    # Once: until the woken feeder runs, every result and every item taken
+                    # would notify again (thousands of lock round trips in a tiny-task imap).
+                    # A feeder that waits again sets its need anew, under this lock.
+                    if self.imap_need <= 0:
+                        self.imap_need = IMAP_TOLD
+                        self.space.notify_all()
 
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
     def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared]:
         """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
-        fn = _wire.task_function(fn)
-        return _wire.prepare_many(
-            [(fn, mode, items) for items in parts], threshold=self.threshold, tree_type=self.tree_type, locates=locates
+        return _wire.prepare_calls(
+            _wire.task_function(fn), mode, parts, threshold=self.threshold, tree_type=self.tree_type, locates=locates
         )
 
     def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
