@@ -51,6 +51,7 @@ __all__ = [
     "function_blob",
     "loads",
     "loads_each",
+    "plain",
     "prepare",
     "prepare_calls",
     "standalone",
@@ -445,22 +446,26 @@ def _call_head(fn: Any, mode: str, tree_type: type | None, limit: int) -> bytes 
     return b"".join(raw for _name, raw in head[:-1])
 
 
+def plain(prep: Prepared) -> Prepared | bytes:
+    """``prep``, or its pickle alone when it sets nothing aside (see ``prepare_calls``)."""
+    return prep if prep.found or prep.trees else prep.data
+
+
 def prepare_calls(
     fn: Any, mode: str, parts: list, *, threshold: int | None, tree_type: type | None = None, locates: Any = None
-) -> list[Prepared]:
+) -> list[Prepared | bytes]:
     """``[prepare((fn, mode, items), ...) for items in parts]`` (``locates[i]`` for
     ``parts[i]``), with one pickler, ``fn`` and ``mode`` pickled once (Note [one head, many
-    chunks]) and the checks that do not depend on the items done once: a map's chunks."""
+    chunks]) and the checks that do not depend on the items done once: a map's chunks. A
+    chunk that sets nothing aside for shared memory is its pickle alone (``bytes``: an object
+    the garbage collector does not track, where a map may hold thousands of chunks at once)."""
+
+    def alone(i: int, items: Any) -> Prepared | bytes:  # the way a single chunk goes
+        locate = None if locates is None else locates[i]
+        return plain(prepare((fn, mode, items), threshold=threshold, tree_type=tree_type, locate=locate))
+
     if len(parts) < 2 or _usercode.registered_by_value():
-        return [
-            prepare(
-                (fn, mode, items),
-                threshold=threshold,
-                tree_type=tree_type,
-                locate=None if locates is None else locates[i],
-            )
-            for i, items in enumerate(parts)
-        ]
+        return [alone(i, items) for i, items in enumerate(parts)]
     limit = threshold if threshold is not None else 1 << 62
     head = _call_head(fn, mode, tree_type, limit)
     start = b"\x80\x05" + head if head is not None else None  # PROTO 5, then the head
@@ -468,7 +473,7 @@ def prepare_calls(
     p = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
     p.dispatch_table = _fast_table(tree_type)
     tracer_error = _pickling.tracer_error_type()
-    out = []
+    out: list[Prepared | bytes] = []
     outer = getattr(_encoding, "router", None)
     router = _Router(limit, tree_type)
     try:
@@ -506,19 +511,9 @@ def prepare_calls(
                 p.dispatch_table = _fast_table(tree_type)
             if data is None or _mentions_main(data):
                 _encoding.router = outer
-                out.append(
-                    prepare(
-                        (fn, mode, items),
-                        threshold=threshold,
-                        tree_type=tree_type,
-                        locate=None if locates is None else locates[i],
-                    )
-                )
+                out.append(alone(i, items))
                 continue
-            if router.found:
-                out.append(Prepared(data, router.found, router.trees))
-            else:  # lists of its own (the router's may yet be filled by the next chunk)
-                out.append(Prepared(data, [], []))
+            out.append(Prepared(data, router.found, router.trees) if router.found else data)
     finally:
         _encoding.router = outer
     return out

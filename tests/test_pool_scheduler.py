@@ -149,3 +149,33 @@ def test_a_busy_worker_that_may_take_nothing_more_gets_nothing_queued_behind_it(
         s.add(chunk(i))
     assert names(s.assign([full, fast])) == [("fast", i) for i in range(4)]
     assert [c.chunk_id for c in full.outstanding] == [100]
+
+
+def test_a_run_of_plain_chunks_becomes_chunks_only_as_they_are_handed_out():
+    """Note [few objects per waiting chunk]: a ChunkRun waits as its pickles; each becomes a
+    Chunk (with the next id, its index in the result) when the scheduler reaches it, in order,
+    after the chunks queued before it; counts and take_all see every chunk of it."""
+    import itertools
+
+    from jaxtransport.pool._scheduler import ChunkRun
+
+    s = Scheduler()
+    a, b = FakeWorker("a", pace=TINY_TASK_S / 10), FakeWorker("b", pace=TINY_TASK_S / 10)
+    ids = itertools.count(100)
+    s.add(chunk(0))
+    run = ChunkRun([b"p%d" % k for k in range(40)], "result", 7, ids)
+    s.add_run(run)
+    s.add_run(ChunkRun([], "empty", 0, ids))  # nothing: not queued
+    assert len(s.pending) == 2 and s.in_flight([a, b]) == 41
+    out = s.assign([a, b])
+    assert [c.chunk_id for _w, c in out][:3] == [0, 100, 101]
+    made = [c for _w, c in out if c.chunk_id >= 100]
+    assert [c.index for c in made] == list(range(7, 7 + len(made)))
+    assert [c.data for c in made] == [b"p%d" % k for k in range(len(made))]
+    assert all(c.enc is None and c.handles == () and c.small and c.result == "result" for c in made)
+    # (the chunk the pass looked at last may have been made and wait, first in line, as a Chunk)
+    waiting = sum(1 for item in s.pending if type(item) is Chunk)
+    assert waiting <= 1 and len(run) + waiting == 40 - len(made) and s.in_flight([a, b]) == 41
+    left = s.take_all([a, b])
+    assert sorted(c.index for c in left if c.result == "result") == list(range(7, 47))
+    assert not s.pending and s.in_flight([a, b]) == 0 and len(run) == 0

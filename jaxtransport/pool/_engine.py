@@ -43,12 +43,24 @@ from ._manager import Manager
 from ._processes import WorkerRec, close_worker, start_worker
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from ._results import CallbackRunner
-from ._scheduler import Chunk, Scheduler
+from ._scheduler import Chunk, ChunkRun, Scheduler
 from ._trees import TreeBook, TreeRec
 from ._worker import WorkerConfig
 
 IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
 IMAP_WIDER = 64  # ... when its arguments needed none either (nothing of it in shared memory)
+# Note [few objects per waiting chunk]
+# A map of many small chunks keeps every chunk in the books until its result is back. Each
+# object of a chunk that the garbage collector tracks and that outlives a young collection is
+# promoted, and promotions start full collections, whose cost grows with everything the
+# process holds (with JAX imported, one 10,000-chunk map cost a 50 ms full collection: 5 us a
+# task). So a chunk with nothing in shared memory is its pickle alone (``bytes``, which the
+# collector does not track) from ``prepare_calls`` on; a map's or an imap batch's such chunks
+# wait as one ``ChunkRun``, each made a ``Chunk`` (with no ``Encoded``: the pickle is its
+# ``data``) only when the scheduler hands it out; and the wire's empty entries are one shared
+# list, ``NO_ENTRIES``, which nothing ever changes. What a 10,000-chunk map keeps alive is then
+# its chunks in flight, not all of them.
+NO_ENTRIES: list = []
 IMAP_TOLD = 1 << 62  # imap_need once waiting feeders were woken (no second notify)
 SPACE_POLL_S = 0.02  # how often a caller waiting for space (memory, imap's backpressure) looks again
 # A worker's chunks it has not started go to an idle worker once its running chunk has run this
@@ -296,7 +308,7 @@ class Engine:
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
 
-    def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared]:
+    def prepare_chunks(self, fn, mode, parts: list, locates: Any) -> list[_wire.Prepared | bytes]:
         """``prepare_chunk`` of each part (with its ``locates[i]``), one pickler for all."""
         return _wire.prepare_calls(
             _wire.task_function(fn), mode, parts, threshold=self.threshold, tree_type=self.tree_type, locates=locates
@@ -307,11 +319,15 @@ class Engine:
             (_wire.task_function(fn), mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate
         )
 
-    def submit(self, prep: _wire.Prepared, result, index: int) -> None:
-        """Copy a prepared chunk's arrays into shared memory and queue it."""
+    def submit(self, prep: _wire.Prepared | bytes, result, index: int) -> None:
+        """Copy a prepared chunk's arrays into shared memory and queue it (``bytes``: a plain
+        chunk's pickle, as ``prepare_chunks`` gives it)."""
         chunk_id = next(self.chunk_ids)
-        if not prep.found and not prep.trees:  # nothing to copy (the common small task)
-            enc = _wire.Encoded(prep.data, [], [], prep.trees, ())
+        enc: Any
+        if isinstance(prep, bytes):
+            enc = prep
+        elif not prep.found and not prep.trees:  # nothing to copy (the common small task)
+            enc = prep.data  # a plain chunk: its pickle alone
         else:
             self.trees.check_usable(prep.trees)
             enc = self._commit(prep, ("chunk", chunk_id))
@@ -332,29 +348,35 @@ class Engine:
 
     def submit_plain(self, items: list) -> None:
         """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go,
-        ``items`` being (prepared chunk, result, index) each: one lock acquisition and one
+        ``items`` being (the chunk's pickle, result, index) each: one lock acquisition and one
         dispatch, so each worker gets its share of them in one write. All or none are queued."""
-        chunks = []
-        for prep, result, index in items:
-            chunk_id = next(self.chunk_ids)
-            chunks.append(Chunk(chunk_id, result, index, _wire.Encoded(prep.data, [], [], prep.trees, ())))
-        self._enqueue(chunks)
+        ids = self.chunk_ids
+        self._enqueue([Chunk(next(ids), result, index, data) for data, result, index in items])
 
-    def _enqueue(self, chunks: list) -> None:
-        """Queue committed chunks and dispatch them, or have the manager dispatch them (Note
-        [one task on a busy pool]); their slots are released if the pool stopped meanwhile."""
+    def submit_run(self, datas: list, result, index: int) -> None:
+        """``submit_plain`` of the chunks of ``result`` whose pickles are ``datas``, the first
+        of index ``index``: they wait as one ChunkRun, each made a Chunk only when the
+        scheduler reaches it (Note [few objects per waiting chunk]). ``datas`` is the run's."""
+        self._enqueue([], ChunkRun(datas, result, index, self.chunk_ids))
+
+    def _enqueue(self, chunks: list, run: ChunkRun | None = None) -> None:
+        """Queue committed chunks (then ``run``'s) and dispatch them, or have the manager
+        dispatch them (Note [one task on a busy pool]); their slots are released if the pool
+        stopped meanwhile."""
         wake = False
         with self.lock:
             if self.flags.stopped:
                 for chunk in chunks:
-                    if chunk.enc.handles:
+                    if chunk.handles:
                         self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
             for chunk in chunks:
                 if chunk.trees:
                     self.trees.use(chunk.trees)
             self.scheduler.add_many(chunks)
-            if (
+            if run is not None:
+                self.scheduler.add_run(run)
+            if run is None and (
                 len(chunks) == 1
                 and chunks[0].small
                 and (self.dispatch_asked or any(w.outstanding for w in self.workers))
@@ -374,6 +396,11 @@ class Engine:
             w.sent += 1
             chunk.seq = w.sent
             enc = chunk.enc
+            if enc is None:  # a plain chunk: its pickle alone, with the others to this worker
+                mapper = w.mapper
+                releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
+                batches.setdefault(w, []).append(_protocol.task(chunk.chunk_id, chunk.data, NO_ENTRIES, releases))
+                continue
             if enc.handles:
                 self.arena.transfer(enc.handles, chunk.key, w.key)
             if chunk.trees or enc.segs:
@@ -442,7 +469,7 @@ class Engine:
                     continue
                 back = w.take_back_unstarted()
                 for chunk in back:
-                    self.arena.transfer(chunk.enc.handles, w.key, chunk.key)
+                    self.arena.transfer(chunk.handles, w.key, chunk.key)
                 moved.extend(back)
             if moved:
                 self.scheduler.requeue(moved)
@@ -507,7 +534,7 @@ class Engine:
                 self.imap_progress(len(done))
 
     def fail_chunk(self, chunk: Chunk, exc: BaseException) -> None:
-        if chunk.enc.handles:
+        if chunk.handles:
             self.arena.release_all(chunk.key)
         self.finish_chunk(chunk, False, exc)
 

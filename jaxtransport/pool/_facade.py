@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from .. import _nojax, _os, _procenv, _shm, _usercode
+from .. import _nojax, _os, _procenv, _shm, _usercode, _wire
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer, first_tracer
 from ._engine import Engine, terminate_unreferenced
@@ -245,7 +245,7 @@ class Pool:
                 except Exception as e:  # noqa: BLE001 - e.g. ShmCapacityError: this call only
                     failed.append((result, e))
             else:
-                plain.append((prep, result, 0))
+                plain.append((prep.data, result, 0))
         if plain:
             state.submit_plain(plain)
         return failed, heavy
@@ -265,10 +265,12 @@ class Pool:
     ) -> MapResult:
         state = self._state
         state.check_running()
-        # Sliced below (each slice a copy); other iterables are read once, here. A range is
-        # read too: a slice of it is a range, which pickles and unpickles by a global lookup
-        # (a list of ints does not), about 1 us more per chunk at each end.
-        items: Any = iterable if type(iterable) in (list, tuple) else list(iterable)
+        # Read once into a tuple (a list or a range too) and sliced below, so each chunk is a
+        # tuple, as multiprocessing's are: a slice of a range would be a range, which pickles
+        # and unpickles by a global lookup (about 1 us more per chunk at each end), and a tuple
+        # of numbers or strings is one object less for the garbage collector to track (Note
+        # [few objects per waiting chunk] in _engine).
+        items: Any = iterable if type(iterable) is tuple else tuple(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:
@@ -283,9 +285,9 @@ class Pool:
         parts = [items[start : start + chunksize] for start in starts]
         preps = state.prepare_chunks(blob, mode, parts, _Locators(func, parts, chunksize))
         result = MapResult(self, len(items), chunksize, callback, error_callback)
-        if not [prep for prep in preps if prep.found or prep.trees]:
+        if all(type(prep) is bytes for prep in preps):  # nothing of it in shared memory
             try:
-                state.submit_plain([(prep, result, i) for i, prep in enumerate(preps)])
+                state.submit_run(preps, result, 0)
             except BaseException as e:
                 result.chunk_done(0, False, e)
                 raise
@@ -337,7 +339,7 @@ class Pool:
             # Phase 1 here, so a Tracer or an unpicklable item fails the call itself.
             blob = state.function_blob(func) if len(iterable) > chunksize else func
             starts = range(0, len(iterable), chunksize)
-            parts = [list(iterable[start : start + chunksize]) for start in starts]
+            parts = [tuple(iterable[start : start + chunksize]) for start in starts]
             source = iter(state.prepare_chunks(blob, "map", parts, _Locators(func, parts, chunksize)))
         else:
             source = _prepare_lazily(state, func, iter(iterable), chunksize)
@@ -423,7 +425,8 @@ def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunks
         part = list(itertools.islice(source, chunksize))
         if not part:
             return
-        yield state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize))
+        # A plain chunk as its pickle alone, as prepare_chunks gives it (the feeder batches those).
+        yield _wire.plain(state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize)))
         index += 1
 
 
@@ -436,22 +439,22 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
     try:
         while True:
             room = state.wait_for_imap_room(it.unconsumed, lambda: it.light_results, light_args)
-            plain: list = []
+            plain: list = []  # the pickles of plain chunks in a row, from ``index`` on
             try:
                 for _ in range(room):
                     prep = next(preps, None)
                     if prep is None:
                         break
-                    if prep.found or prep.trees:
+                    if type(prep) is not bytes:  # something of it in shared memory
                         light_args = False
                         if plain:
                             batch, plain = plain, []
-                            state.submit_plain(batch)
+                            state.submit_run(batch, it, index)
                             index += len(batch)
                         state.submit(prep, it, index)
                         index += 1
                     else:
-                        plain.append((prep, it, index + len(plain)))
+                        plain.append(prep)
                     del prep
                 else:
                     continue
@@ -459,7 +462,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
             finally:
                 if plain:  # what was prepared before the source ended or raised goes first
                     batch, plain = plain, []
-                    state.submit_plain(batch)
+                    state.submit_run(batch, it, index)
                     index += len(batch)
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it.chunk_done(index, False, e)

@@ -370,7 +370,7 @@ class Manager:
         unheld = msg.unheld
         for h in msg.releases:
             engine.arena.release(h, w.key)
-        if chunk is not None and unheld:  # the worker never held these arguments' slots
+        if chunk is not None and unheld and chunk.enc is not None:  # slots it never held
             # The chunk's own slots, by entry index (what we sent, whatever arrived).
             enc = chunk.enc
             owned = [i for i, e in enumerate(enc.entries) if e[0] in ("np", "jax")]
@@ -456,7 +456,7 @@ class Manager:
                 engine.workers.remove(w)
             running, queued = engine.scheduler.lost(w)  # those never started run elsewhere
             for chunk in queued:
-                engine.arena.transfer(chunk.enc.handles, w.key, chunk.key)
+                engine.arena.transfer(chunk.handles, w.key, chunk.key)
             engine.scheduler.requeue(queued)
             engine.arena.release_all(w.key)
             engine.trees.forget_worker(w)

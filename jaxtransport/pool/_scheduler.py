@@ -45,21 +45,57 @@ def prefetch_limit(pace: float) -> int:
 class Chunk:
     """One message's worth of tasks: ``enc`` (the encoded function and items), the result
     object it completes and its index there. ``key`` is its borrower name in the arena while
-    it waits (its slots move to the worker that runs it)."""
+    it waits (its slots move to the worker that runs it). A plain chunk (nothing in shared
+    memory, no tree) is made from its pickle alone: ``enc`` is None and ``data`` the pickle
+    (one object a chunk while it waits: Note [few objects per waiting chunk] in ``_engine``)."""
 
-    __slots__ = ("began", "chunk_id", "enc", "index", "key", "result", "seq", "small", "trees")
+    __slots__ = ("began", "chunk_id", "data", "enc", "index", "key", "result", "seq", "small", "trees")
 
     def __init__(self, chunk_id: int, result: Any, index: int, enc: Any):
-        self.chunk_id, self.result, self.index, self.enc = chunk_id, result, index, enc
+        self.chunk_id, self.result, self.index = chunk_id, result, index
         self.key = ("chunk", chunk_id)
-        self.trees = enc.trees
-        self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
+        if type(enc) is bytes:
+            self.enc, self.data, self.trees = None, enc, ()
+            self.small = len(enc) < SMALL_MESSAGE
+        else:
+            self.enc, self.data, self.trees = enc, enc.data, enc.trees
+            self.small = not enc.handles and not enc.trees and len(enc.data) < SMALL_MESSAGE
         self.began = 0.0  # when it was sent, or when the one before it finished (monotonic)
         self.seq = 0  # its place in the stream of tasks sent to its worker (1, 2, ...)
 
+    @property
+    def handles(self) -> Any:
+        """The arena slots it holds (none for a plain chunk)."""
+        return () if self.enc is None else self.enc.handles
+
+
+class ChunkRun:
+    """Plain chunks in a row of one result object (a map's or an imap batch's), waiting as
+    their pickles alone: each becomes a :class:`Chunk` (taking the next of ``ids``) only when
+    the scheduler reaches it, so a map of thousands of chunks holds thousands of bytes objects,
+    which the garbage collector does not track, not thousands of Chunks (Note [few objects per
+    waiting chunk] in ``_engine``)."""
+
+    __slots__ = ("datas", "ids", "index", "next", "result")
+
+    def __init__(self, datas: list, result: Any, index: int, ids: Any):
+        self.datas, self.result, self.index, self.ids = datas, result, index, ids
+        self.next = 0  # the position in ``datas`` of the next chunk to make
+
+    def __len__(self) -> int:
+        return len(self.datas) - self.next
+
+    def take(self) -> Chunk:
+        k = self.next
+        data, self.datas[k] = self.datas[k], None  # the Chunk holds it from now on
+        self.next = k + 1
+        return Chunk(next(self.ids), self.result, self.index + k, data)
+
 
 class Scheduler:
-    """Pending chunks (FIFO) and the assignment rule. Not thread-safe: the engine's lock."""
+    """Pending chunks (FIFO) and the assignment rule. Not thread-safe: the engine's lock.
+    ``pending`` holds Chunks and ChunkRuns; the first one is made a Chunk (``head``) before it
+    is looked at."""
 
     def __init__(self):
         self.pending: collections.deque = collections.deque()
@@ -70,6 +106,22 @@ class Scheduler:
 
     def add_many(self, chunks: list[Chunk]) -> None:
         self.pending.extend(chunks)
+
+    def add_run(self, run: ChunkRun) -> None:
+        if len(run):
+            self.pending.append(run)
+
+    def head(self) -> Chunk:
+        """The first pending chunk (pending must not be empty), made from its run if need be."""
+        pending = self.pending
+        first = pending[0]
+        if type(first) is not ChunkRun:
+            return first
+        chunk = first.take()
+        if not len(first):
+            pending.popleft()
+        pending.appendleft(chunk)
+        return chunk
 
     def requeue(self, chunks: Iterable[Chunk]) -> None:
         """Put chunks that never started back at the front, in their order."""
@@ -95,6 +147,7 @@ class Scheduler:
             if not pending:
                 return out
             if not w.outstanding and w.can_take() and w.alive():
+                self.head()
                 chunk = pending.popleft()
                 chunk.began = now
                 w.outstanding.append(chunk)
@@ -129,7 +182,7 @@ class Scheduler:
             if n < limit:
                 tiny.append(cand)
         while pending and cands:
-            chunk = pending[0]
+            chunk = self.head()
             if chunk.small and tiny:
                 cand = min(tiny)  # the fewest in flight, then the first in turn (k is unique)
             else:
@@ -203,14 +256,21 @@ class Scheduler:
 
     def take_all(self, workers: list) -> list[Chunk]:
         """Every chunk not finished (pending or in flight), removed from the books."""
-        victims = list(self.pending)
+        victims: list[Chunk] = []
+        for item in self.pending:
+            if type(item) is ChunkRun:
+                victims.extend(item.take() for _ in range(len(item)))
+            else:
+                victims.append(item)
         self.pending.clear()
         for w in workers:
             victims.extend(self.take_worker(w))
         return victims
 
     def in_flight(self, workers: list) -> int:
-        return len(self.pending) + sum(len(w.outstanding) for w in workers)
+        """Chunks pending or in flight (runs hold few items of ``pending``: one per call)."""
+        pending = sum(len(item) if type(item) is ChunkRun else 1 for item in list(self.pending))
+        return pending + sum(len(w.outstanding) for w in workers)
 
     def idle(self, workers: list) -> bool:
         return not self.pending and not any(w.outstanding for w in workers)
