@@ -21,7 +21,8 @@ Threads and what they own (parent process unless said):
 - caller threads (any number, also a web handler's or an asyncio loop's executor): pickle and
   copy arguments into the parent's ``_shm.Arena`` (may wait for memory: the arena's wait hook
   runs with no lock held), then queue the chunk and dispatch it, under the engine's lock. A
-  map's chunks that need no shared memory are queued together; dispatch sends each worker its
+  map's chunks that need no shared memory are queued together, as one run of pickles that
+  become chunks as they are handed out (Note [few objects per waiting chunk]); dispatch sends each worker its
   tasks that need no segment or tree in one write (one wakeup of the worker, not one per chunk).
   A single small chunk on a busy pool is only queued: the manager dispatches it (Note [one task
   on a busy pool] in ``_engine``), so a burst of ``apply_async`` goes out a round at a time.
