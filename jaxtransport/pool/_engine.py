@@ -314,9 +314,15 @@ class Engine:
             _wire.task_function(fn), mode, parts, threshold=self.threshold, tree_type=self.tree_type, locates=locates
         )
 
-    def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared:
-        return _wire.prepare(
-            (_wire.task_function(fn), mode, items), threshold=self.threshold, tree_type=self.tree_type, locate=locate
+    def prepare_chunk(self, fn, mode, items, locate) -> _wire.Prepared | bytes:
+        """One chunk prepared, in the form ``prepare_chunks`` gives (``bytes``: a plain chunk)."""
+        return _wire.plain(
+            _wire.prepare(
+                (_wire.task_function(fn), mode, items),
+                threshold=self.threshold,
+                tree_type=self.tree_type,
+                locate=locate,
+            )
         )
 
     def submit(self, prep: _wire.Prepared | bytes, result, index: int) -> None:
@@ -324,10 +330,8 @@ class Engine:
         chunk's pickle, as ``prepare_chunks`` gives it)."""
         chunk_id = next(self.chunk_ids)
         enc: Any
-        if isinstance(prep, bytes):
+        if isinstance(prep, bytes):  # nothing to copy (the common small task)
             enc = prep
-        elif not prep.found and not prep.trees:  # nothing to copy (the common small task)
-            enc = prep.data  # a plain chunk: its pickle alone
         else:
             self.trees.check_usable(prep.trees)
             enc = self._commit(prep, ("chunk", chunk_id))
@@ -396,25 +400,23 @@ class Engine:
             w.sent += 1
             chunk.seq = w.sent
             enc = chunk.enc
-            if enc is None:  # a plain chunk: its pickle alone, with the others to this worker
-                mapper = w.mapper
-                releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
-                batches.setdefault(w, []).append(_protocol.task(chunk.chunk_id, chunk.data, NO_ENTRIES, releases))
-                continue
-            if enc.handles:
-                self.arena.transfer(enc.handles, chunk.key, w.key)
-            if chunk.trees or enc.segs:
-                batch = batches.pop(w, None)
-                if batch:
-                    w.post(batch)
-                if chunk.trees:
-                    self.trees.define_in(w, chunk.trees)
-                segs = self.new_segments(w, enc.segs)
+            segs = None
+            if enc is None:  # a plain chunk: its pickle alone
+                entries = NO_ENTRIES
             else:
-                segs = None
+                entries = enc.entries
+                if enc.handles:
+                    self.arena.transfer(enc.handles, chunk.key, w.key)
+                if chunk.trees or enc.segs:
+                    batch = batches.pop(w, None)
+                    if batch:
+                        w.post(batch)
+                    if chunk.trees:
+                        self.trees.define_in(w, chunk.trees)
+                    segs = self.new_segments(w, enc.segs)
             mapper = w.mapper
             releases = mapper.take_releases(64) if (mapper.pending or mapper.live) else []
-            task = _protocol.task(chunk.chunk_id, enc.data, enc.entries, releases)
+            task = _protocol.task(chunk.chunk_id, chunk.data, entries, releases)
             if segs:
                 w.post(task, segs)
             else:

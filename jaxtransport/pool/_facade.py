@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from .. import _nojax, _os, _procenv, _shm, _usercode, _wire
+from .. import _nojax, _os, _procenv, _shm, _usercode
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer, first_tracer
 from ._engine import Engine, terminate_unreferenced
@@ -210,7 +210,7 @@ class Pool:
 
         prep = state.prepare_chunk(func, "apply", [(args, kwds)], locate)
         state.submit(prep, result, 0)
-        return bool(prep.found or prep.trees)
+        return type(prep) is not bytes
 
     def _submit_applies(self, calls: Sequence[tuple[Callable, tuple, dict, AsyncResult]]) -> tuple[list, bool]:
         """Send many calls ``(func, args, kwds, result)`` at once (the Executor's dispatcher):
@@ -233,7 +233,7 @@ class Pool:
             except Exception as e:  # noqa: BLE001 - this call's own failure
                 failed.append((result, e))
                 continue
-            if prep.found or prep.trees:
+            if type(prep) is not bytes:  # something of it in shared memory
                 heavy = True
                 if plain:
                     batch, plain = plain, []
@@ -245,7 +245,7 @@ class Pool:
                 except Exception as e:  # noqa: BLE001 - e.g. ShmCapacityError: this call only
                     failed.append((result, e))
             else:
-                plain.append((prep.data, result, 0))
+                plain.append((prep, result, 0))
         if plain:
             state.submit_plain(plain)
         return failed, heavy
@@ -425,8 +425,7 @@ def _prepare_lazily(state: Engine, func: Callable, source: Iterator[Any], chunks
         part = list(itertools.islice(source, chunksize))
         if not part:
             return
-        # A plain chunk as its pickle alone, as prepare_chunks gives it (the feeder batches those).
-        yield _wire.plain(state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize)))
+        yield state.prepare_chunk(func, "map", part, _locator(func, part, index * chunksize))
         index += 1
 
 

@@ -268,7 +268,7 @@ class Scheduler:
         return victims
 
     def in_flight(self, workers: list) -> int:
-        """Chunks pending or in flight (runs hold few items of ``pending``: one per call)."""
+        """Chunks pending or in flight (a run counts the chunks it has not made yet)."""
         pending = sum(len(item) if type(item) is ChunkRun else 1 for item in list(self.pending))
         return pending + sum(len(w.outstanding) for w in workers)
 
