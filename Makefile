@@ -40,7 +40,7 @@ RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py test
 # streams; spawn and forkserver), then as on Windows (in-band: no fd passing; spawn only). The
 # paths are found by feature detection, not by JAXTRANSPORT_PLATFORM. Afterwards /dev/shm must hold
 # no jaxtransport entry.
-PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiprocessing.py tests/test_forwarding.py \
+PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiprocessing.py tests/test_forwarding.py tests/test_pool_forwarding.py \
 	tests/test_pool_never_hangs.py tests/test_pool_crash.py tests/test_pool_lifecycle.py tests/test_pool_take_back.py
 SIMULATE := PYTHONPATH=$(CURDIR)/tests/platforms$${PYTHONPATH:+:$$PYTHONPATH}
 

@@ -36,7 +36,7 @@ ORDER: tuple[tuple[str, ...], ...] = (
     ("Engine.space",),
     ("Engine.lock",),
     ("Sender.cond", "CallbackRunner.lock", "MapResult._lock", "IMapIterator._cond"),
-    ("Lifecycle.lock",),
+    ("Lifecycle.lock", "Pins.lock"),
     ("Arena.cond",),
     ("results._EVENTS_LOCK",),
 )

@@ -527,12 +527,17 @@ def commit(
     wait: Callable | None = None,
     peer: Mapper | None = None,
     reuse: Callable[[Any], tuple | None] | None = None,
+    adopt: Callable[[Any, Any], tuple[tuple, Handle] | None] | None = None,
+    copied: Callable[[Any, tuple, Handle], None] | None = None,
 ) -> Encoded:
     """Phase 2: copy each set-aside array once into a slot of ``arena`` (one reference held by
     ``borrower``), or name the peer's slot when it already lives there, or (``reuse``, a
     jax.Array only) the entry ``reuse(x)`` gives for an array already in shared memory (None:
-    copy it). Cost: one memcpy per array copied. On error, every slot taken so far is released
-    (what ``reuse`` gave is its caller's to give back)."""
+    copy it), or (``adopt``, a jax.Array only) the ``(entry, handle)`` that ``adopt(x,
+    borrower)`` gives for a slot it booked in ``arena`` (Note [forwarded slots] in ``_shm``;
+    None: copy it); ``copied(x, entry, handle)`` is told of each jax.Array copied. Cost: one
+    memcpy per array copied. On error, every slot taken so far is released (what ``reuse`` gave
+    is its caller's to give back)."""
     entries: list[tuple] = []
     handles: list[tuple] = []
     segs: set[int] = set()
@@ -550,6 +555,14 @@ def commit(
                 entry = reuse(x)
                 if entry is not None:  # its segment may be another process's: not in ``segs``
                     entries.append(entry)
+                    continue
+            if adopt is not None and kind == "jax":
+                got = adopt(x, borrower)
+                if got is not None:  # a slot of the arena's now, as one it made
+                    entry, handle = got
+                    entries.append(entry)
+                    handles.append(handle)
+                    segs.add(handle.seg)
                     continue
             if kind == "np":
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
@@ -571,13 +584,44 @@ def commit(
                 handle = Handle._make(handle)
                 for (off, n), b in zip(layout, bufs):
                     np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
-                entries.append(("jax", tuple(meta), tuple(layout), tuple(handle)))
+                entry = ("jax", tuple(meta), tuple(layout), tuple(handle))
+                entries.append(entry)
+                if copied is not None:
+                    copied(x, entry, handle)
             segs.add(handle.seg)
     except BaseException:
         for h in handles:
             arena.release(h, borrower)  # type: ignore[union-attr,arg-type]
         raise
     return Encoded(prep.data, entries, handles, prep.trees, segs)
+
+
+def forward_entry(x: Any, lookup: Callable[[int, int], Any], handle_of: Callable[[Any], Handle | None]) -> tuple | None:
+    """The entry that sends a jax.Array ``x`` by handle when it is exactly one received slot:
+    one buffer on the host at an address where ``found = lookup(address, nbytes)`` is not None,
+    ``handle_of(found)`` the handle to name (None: copy it after all). None otherwise."""
+    ptr = _pointer(x)
+    if ptr is None:
+        return None
+    try:
+        nb = int(x.nbytes)
+    except Exception:
+        return None
+    found = lookup(ptr, nb)
+    if found is None:
+        return None
+    from . import _codec
+
+    try:
+        meta, bufs = _codec.encode(x)
+    except Exception:
+        return None
+    if meta.indices or len(bufs) != 1 or _pointer(bufs[0]) != ptr:
+        return None
+    handle = handle_of(found)
+    if handle is None:
+        return None
+    return ("jax", tuple(meta), ((0, nb),), tuple(handle)), handle
 
 
 def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:

@@ -65,7 +65,7 @@ from ._pipes import (
     worker_reader_socket,
     worker_writer,
 )
-from ._procinfo import cpu_count, free_memory, has_proc, nvidia_gpu_count, process_token, wait_for_exit
+from ._procinfo import cpu_count, fd_limit, free_memory, has_proc, nvidia_gpu_count, process_token, wait_for_exit
 from ._segments import (
     PAGE,
     addr,
@@ -96,6 +96,7 @@ __all__ = [
     "cpu_count",
     "create_segment",
     "describe",
+    "fd_limit",
     "fd_passing",
     "format_bytes",
     "framing",

@@ -1,4 +1,4 @@
-"""CPU count, free memory and process liveness: from Linux's ``/proc`` and ``sched_getaffinity``
+"""CPU count, free memory, the open-file limit and process liveness: from Linux's ``/proc`` and ``sched_getaffinity``
 where they exist, from ``os.sysconf``, ``os.cpu_count`` and ``os.kill(pid, 0)`` on other POSIX
 hosts, from ``multiprocessing``'s process sentinels where ``os.kill`` is no probe (Windows).
 
@@ -186,3 +186,14 @@ def nvidia_gpu_count() -> int:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return 0
+
+
+def fd_limit() -> int:
+    """This process's soft limit on open files (1024 where it cannot be read)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return soft if 0 < soft < (1 << 20) else 1 << 20

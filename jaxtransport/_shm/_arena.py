@@ -39,20 +39,22 @@ def send_segment(sock: socket.socket, seg_id: int, size: int, fd: int) -> None:
 
 
 class _Seg:
-    __slots__ = ("addr", "cls", "fd", "free_count", "mm", "nslots", "seg_id", "size")
+    __slots__ = ("addr", "cls", "fd", "free_count", "mm", "nslots", "origin", "seg_id", "size")
 
-    def __init__(self, seg_id, size, fd, mm, cls, nslots):
+    def __init__(self, seg_id, size, fd, mm, cls, nslots, origin=None):
         self.seg_id, self.size, self.fd, self.mm = seg_id, size, fd, mm
         self.cls, self.nslots, self.free_count = cls, nslots, nslots
-        self.addr = _os.addr(mm)
+        self.addr = _os.addr(mm) if mm is not None else 0
+        self.origin = origin  # a forwarded segment: whose, and its id there (else None)
 
 
 class _Slot:
-    __slots__ = ("gen", "refs")
+    __slots__ = ("gen", "keep", "refs")
 
     def __init__(self):
         self.gen = 0
         self.refs: dict[Hashable, int] = {}
+        self.keep: list | None = None  # a forwarded slot: what holds it live in its owner
 
 
 class Arena:
@@ -65,6 +67,19 @@ class Arena:
     are unmapped first (their ids are queued for ``take_forgotten`` so receivers unmap them too),
     then ``alloc`` waits for releases as long as ``wait`` says progress is possible, then raises
     ShmCapacityError.
+
+    Note [forwarded slots]
+    ``adopt`` books a live slot of *another* sender's segment (an array this process received
+    and now sends on, such as a Pool result fed into the next task) as a slot of this arena: it
+    gets an id of this arena's (never reused, so a receiver that forgot an earlier adoption of
+    the same segment is not confused), one duplicated fd of the segment (kept while any of its
+    slots is booked; sent to receivers as this arena's own segments are), and a reference count
+    per borrower like any slot, so queued tasks, workers, shared trees, releases and a dead
+    borrower's ``release_all`` move and drop it with no code of their own. The slot's ``keep``
+    (the holder that keeps it live in its owner, as a received array does) is referenced until
+    the last release; then the record and, with its last slot, the segment are dropped, and its
+    id is queued for ``take_forgotten``. Forwarded segments count nothing against ``capacity``
+    (their owner's cap holds them) and are never evicted, grown or allocated from.
     """
 
     def __init__(self, capacity: int | None = None, label: str = "this process"):
@@ -72,6 +87,8 @@ class Arena:
         self.label = label
         self.cond = _lockorder.condition("Arena.cond")
         self._segs: dict[int, _Seg] = {}
+        self._foreign: dict[int, _Seg] = {}  # forwarded segments (Note [forwarded slots])
+        self._foreign_ids: dict[Hashable, int] = {}  # their origin -> their id here
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._free: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         self._next_id = 1
@@ -88,7 +105,13 @@ class Arena:
 
     # -- inspection
     def segment(self, seg_id: int) -> _Seg | None:
-        return self._segs.get(seg_id)
+        """A segment of this arena's, or a forwarded one (Note [forwarded slots])."""
+        seg = self._segs.get(seg_id)
+        return seg if seg is not None else self._foreign.get(seg_id)
+
+    def _cls(self, seg_id: int) -> int:
+        seg = self._segs.get(seg_id)
+        return seg.cls if seg is not None else 0  # a forwarded slot counts nothing here
 
     @property
     def last_segment_id(self) -> int:
@@ -103,7 +126,7 @@ class Arena:
     def in_use(self) -> int:
         with self.cond:
             self._apply_deferred()
-            return sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+            return sum(self._cls(k[0]) for k, s in self._slots.items() if s.refs)
 
     def held_by(self, borrower: Hashable) -> int:
         with self.cond:
@@ -123,6 +146,12 @@ class Arena:
         weakref finalizer in any thread, even one that holds ``cond`` (an atomic append)."""
         self._deferred.append((handle, borrower))
         # A waiting alloc re-checks every few ms (see alloc); nothing else to wake here.
+
+    def apply_deferred(self) -> None:
+        """Apply queued ``defer_release`` calls now (cheap when none)."""
+        if self._deferred:
+            with self.cond:
+                self._apply_deferred()
 
     def _apply_deferred(self) -> None:
         # Called with cond held.
@@ -333,7 +362,7 @@ class Arena:
         return handle, view
 
     def _capacity_error(self, nbytes: int, seg_size: int, impossible: bool = False) -> ShmCapacityError:
-        held = sum(self._segs[k[0]].cls for k, s in self._slots.items() if s.refs)
+        held = sum(self._cls(k[0]) for k, s in self._slots.items() if s.refs)
         if impossible:
             why = (
                 f"a single array of {format_bytes(nbytes)} is larger than "
@@ -362,7 +391,7 @@ class Arena:
                 name = " ".join(map(str, b)) if isinstance(b, tuple) else str(b)
                 n = by.setdefault(name, [0, 0])
                 n[0] += 1
-                n[1] += self._segs[k[0]].cls
+                n[1] += self._cls(k[0])
         top = sorted(by.items(), key=lambda kv: -kv[1][1])
         text = ", ".join(f"{name}: {n} slot{'s' * (n != 1)} ({format_bytes(b)})" for name, (n, b) in top[:6])
         return text + (f" and {len(top) - 6} more" if len(top) > 6 else "") if top else "none"
@@ -383,6 +412,9 @@ class Arena:
         return slot
 
     def _free_slot(self, handle: Handle, slot: _Slot) -> None:
+        if slot.keep is not None:  # forwarded (Note [forwarded slots]): its record goes
+            self._drop_forwarded(handle.seg, handle.offset, slot)
+            return
         seg = self._segs[handle.seg]
         seg.free_count += 1
         self._free[seg.cls].append((handle.seg, handle.offset))
@@ -417,7 +449,7 @@ class Arena:
         """Drop every reference ``borrower`` holds (a dead worker, a finished shared tree)."""
         n = 0
         with self.cond:
-            for key, slot in self._slots.items():
+            for key, slot in list(self._slots.items()):  # a forwarded slot leaves it when freed
                 c = slot.refs.pop(borrower, 0)
                 if c:
                     n += c
@@ -454,6 +486,74 @@ class Arena:
                 if slot is not None:
                     slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
 
+    # -- forwarded slots (Note [forwarded slots])
+    def adopt(
+        self, origin: Hashable, fd: int, size: int, handle: Handle, keep: Any, borrower: Hashable
+    ) -> Handle | None:
+        """Book the live slot ``handle`` of another sender's segment (``origin``: a key naming
+        that segment among every sender's; ``fd``, ``size``: the segment's, an fd this call
+        duplicates at the segment's first slot) with one reference held by ``borrower``, and
+        ``keep`` referenced until the slot's last release. Returns the slot's handle here (this
+        arena's segment id), or None (copy the array instead) when the arena is closed or the fd
+        cannot be duplicated or is not a segment of ``size`` bytes."""
+        with self.cond:
+            if self.closed:
+                return None
+            seg_id = self._foreign_ids.get(origin)
+            if seg_id is None:
+                try:
+                    dup = os.dup(fd)
+                except OSError:  # out of fds: copy instead
+                    return None
+                try:
+                    ok = os.fstat(dup).st_size == size
+                except OSError:
+                    ok = False
+                if not ok:
+                    os.close(dup)
+                    return None
+                seg_id = self._next_id
+                self._next_id += 1
+                self._foreign[seg_id] = _Seg(seg_id, size, dup, None, 0, 0, origin)
+                self._foreign_ids[origin] = seg_id
+            seg = self._foreign[seg_id]
+            key = (seg_id, handle.offset)
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+                slot.gen, slot.keep = handle.gen, [keep]
+                seg.nslots += 1
+            elif slot.gen != handle.gen or slot.keep is None:
+                return None  # cannot be while the owner's slot is held: copy, to be safe
+            elif all(k is not keep for k in slot.keep):
+                slot.keep.append(keep)
+            slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+            return Handle(seg_id, handle.offset, handle.nbytes, handle.gen)
+
+    def _drop_forwarded(self, seg_id: int, offset: int, slot: _Slot) -> None:
+        # cond held. Dropping ``keep`` may run holder finalizers: they only append to a deque.
+        del self._slots[(seg_id, offset)]
+        slot.keep = None
+        seg = self._foreign[seg_id]
+        seg.nslots -= 1
+        if seg.nslots <= 0:
+            del self._foreign[seg_id]
+            self._foreign_ids.pop(seg.origin, None)
+            self._forgotten.append(seg_id)
+            close_quietly(seg)
+        self.cond.notify_all()
+
+    def mapping(self, seg_id: int) -> mmap.mmap | None:
+        """The mapping of a segment of this arena's or a forwarded one (mapped now, for a
+        forwarded one: a worker sent its slot back), None for an unknown id."""
+        with self.cond:
+            seg = self.segment(seg_id)
+            if seg is None:
+                return None
+            if seg.mm is None and seg.fd is not None:
+                seg.mm = mmap.mmap(seg.fd, seg.size, flags=mmap.MAP_SHARED)
+            return seg.mm
+
     def view(self, handle: Handle) -> tuple[_Seg, int, int]:
         seg = self._segs.get(handle.seg)
         if seg is None:
@@ -465,8 +565,10 @@ class Arena:
         (their mapping lives until they die); receivers keep theirs until they unmap."""
         with self.cond:
             self.closed = True
-            segs = list(self._segs.values())
+            segs = list(self._segs.values()) + list(self._foreign.values())
             self._segs.clear()
+            self._foreign.clear()
+            self._foreign_ids.clear()
             self._slots.clear()
             self._free.clear()
             self.mapped = 0

@@ -48,12 +48,13 @@ def collect_deferred() -> None:
     collect_jax_garbage()
 
 
-def _on_holder_dead(pending, registry, addr, release) -> None:
+def _on_holder_dead(pending, registry, holders, addr, release) -> None:
     # Runs from a weakref finalizer, possibly in any thread: atomic operations only. The
     # release is queued before the holder leaves the registry, so that a reader who looks at
     # ``live`` then ``pending`` always sees a slot in one of them until its release is taken.
     pending.append(release)
     registry.pop(addr, None)
+    holders.pop(addr, None)
 
 
 class Mapper:
@@ -66,16 +67,23 @@ class Mapper:
     """
 
     def __init__(
-        self, sock: socket.socket | None, label: str = "the sender", wait_fd: float = 10.0, keep_fds: bool = False
+        self,
+        sock: socket.socket | None,
+        label: str = "the sender",
+        wait_fd: float = 10.0,
+        keep_fds: bool = False,
+        max_kept: int | None = None,
     ):
         self.sock = sock
         self.keep_fds = keep_fds  # keep each segment's fd after mapping it (to pass it on)
+        self.max_kept = max_kept  # ... for at most this many segments (None: the caller trims)
         self.label = label
         self.wait_fd = wait_fd
         self.segs: dict[int, _Mapped] = {}
         self.forgotten: set[int] = set()
         self.pending: collections.deque = collections.deque()
         self.live: dict[int, Handle] = {}  # addr -> handle of a live holder
+        self.holders: dict[int, weakref.ref] = {}  # addr -> that holder, weakly
 
     def take_releases(self, limit: int | None = None) -> list:
         """Pop queued releases (at most ``limit``) for the sender. Safe beside another thread
@@ -143,7 +151,10 @@ class Mapper:
             # gets its pages]).
             m.mm = mmap.mmap(m.fd, m.size, flags=mmap.MAP_SHARED)
             m.addr = _os.addr(m.mm)
-            if not self.keep_fds:
+            if not self.keep_fds or (
+                self.max_kept is not None
+                and sum(1 for s in self.segs.values() if s.fd is not None and s.mm is not None) > self.max_kept
+            ):
                 os.close(m.fd)
                 m.fd = None
         return m
@@ -192,7 +203,10 @@ class Mapper:
         h = (ctypes.c_char * max(nbytes, 1)).from_buffer(m.mm, offset)  # type: ignore[arg-type]
         addr = m.addr + offset
         self.live[addr] = Handle(seg_id, offset, nbytes, gen)
-        weakref.finalize(h, _on_holder_dead, self.pending, self.live, addr, handle if release is None else release)
+        self.holders[addr] = weakref.ref(h)
+        weakref.finalize(
+            h, _on_holder_dead, self.pending, self.live, self.holders, addr, handle if release is None else release
+        )
         return h
 
     def find(self, addr: int, nbytes: int) -> Handle | None:
@@ -200,6 +214,20 @@ class Mapper:
         if h is not None and h.nbytes == nbytes:
             return h
         return None
+
+    def held_at(self, addr: int, nbytes: int) -> tuple[Handle, Any, int | None, int] | None:
+        """``(handle, holder, fd, segment size)`` when memory at ``addr`` of ``nbytes`` bytes
+        (up to ``ALIGN`` less than the slot: slots are rounded up) is exactly a live received
+        slot, its holder still alive; ``fd`` is the segment's kept fd (None: not kept)."""
+        h = self.live.get(addr)
+        ref = self.holders.get(addr)
+        holder = None if ref is None else ref()
+        if h is None or holder is None or not 0 <= h.nbytes - nbytes < ALIGN:
+            return None
+        m = self.segs.get(h.seg)
+        if m is None or m.mm is None:
+            return None
+        return h, holder, m.fd, m.size
 
     def unmap(self, seg_id: int) -> int:
         """Drop the mapping and fd of ``seg_id`` without forgetting the segment (a later message

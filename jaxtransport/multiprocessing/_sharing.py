@@ -808,7 +808,7 @@ class _Consumer:
         kept = [(m, s) for m in self.mappers.values() for s in m.segs.values() if s.fd is not None]
         if len(kept) <= 8:
             return
-        budget = min(MAX_KEPT_FDS, _fd_limit() // 4)
+        budget = min(MAX_KEPT_FDS, _os.fd_limit() // 4)
         if len(kept) <= budget:
             return
         with _headers:
@@ -856,16 +856,6 @@ class _Consumer:
             )
             self.thread.start()
         self.wake.set()
-
-
-def _fd_limit() -> int:
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 1024
-    return soft if 0 < soft < (1 << 20) else 1 << 20
 
 
 def _release_loop(ref) -> None:

@@ -72,7 +72,7 @@ the first inversion::
   -> Engine.space                     (imap backpressure: the feeder waits on it)
   -> Engine.lock (RLock)              (scheduler, worker list and records, tree book)
   -> Sender.cond | CallbackRunner.lock | MapResult._lock | IMapIterator._cond
-  -> Lifecycle.lock                   (flags)
+  -> Lifecycle.lock | Pins.lock        (flags; arrays sent again by handle, taken alone)
   -> Arena.cond                       (slot counts)
   -> results._EVENTS_LOCK             (a result's Event)
 

@@ -16,6 +16,22 @@ idle): bimodal runs, 60-80 us per task in the bad ones at 16 workers. Queued, a 
 the manager in one write per worker per round, as ``multiprocessing.Pool``'s task thread sends
 it. On an idle pool the caller still sends at once (a lone ``apply`` pays no thread hop); a
 chunk with shared memory or a tree, and a map's chunks, are dispatched at once as before.
+
+Note [a result sent on]
+~~~~~~~~~~~~~~~~~~~~~~
+A worker's result arrives as a jax.Array over the worker's own slot (Note [slot lifetime] in
+``_shm``). Fed into a later task (map after map, a result passed to ``apply_async``, put in a
+SharedTree), it is not copied into the parent's arena: ``_adopt`` books that slot as a
+forwarded slot of the parent's arena (Note [forwarded slots] in ``_shm``), keeping the parent's
+holder of it, and the task names it by handle. The target worker receives the segment's fd as
+it receives the parent's own (the parent keeps its workers' segment fds while mapped, a few per
+worker), and its release, its death, a take-back or a requeue move and drop the reference
+as for any slot of the parent's. The owner's slot is held by the parent's holder, so it cannot
+be reused while any task or worker holds the forwarded one, and the owner's death takes
+nothing away: its memory lives while any fd or mapping of it does. What still copies: an array
+that is not exactly one whole result slot (a slice, several buffers, a sharded array), a result
+of a worker that has exited, numpy results, a worker whose segment fds went over its share, and
+a pool in in-band mode.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from . import _protocol
 from ._initargs import InitCall
 from ._lifecycle import Lifecycle
 from ._manager import Manager
+from ._pins import Pins
 from ._processes import WorkerRec, close_worker, start_worker
 from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
 from ._results import CallbackRunner
@@ -130,6 +147,7 @@ class Engine:
         self.futures = futures  # an Executor's pool: concurrent.futures' error contract in workers
         self.preload_jax = preload_jax  # workers import JAX in the background once ready
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
+        self.pins = Pins(self.arena)  # jax.Arrays copied once, sent again by handle
         self.flags = Lifecycle()
         # The engine's lock: the scheduler, the worker list and records, the tree book.
         self.lock = _lockorder.rlock("Engine.lock")
@@ -229,6 +247,7 @@ class Engine:
         when none is, or at once when the pool has stopped (``_commit`` then says so)."""
         if self.flags.stopped:
             return False
+        self.pins.drop_all()  # memory is short: arrays sent again are copied again
         busy = self.in_flight() > 0
         now = time.monotonic()
         start = getattr(self.tls, "wait_start", None)
@@ -246,7 +265,7 @@ class Engine:
         prep = _wire.prepare(
             tree, threshold=self.threshold, tree_type=None, locate=lambda: first_tracer((tree, "tree"))
         )
-        rec.enc = self._commit(prep, rec.key)
+        rec.enc = self._commit(prep, rec.key, pin=False)  # release() gives its memory back
         rec.nbytes = sum(h.nbytes for h in rec.enc.handles)
         self.trees.add(rec)
         return rec
@@ -337,18 +356,53 @@ class Engine:
             enc = self._commit(prep, ("chunk", chunk_id))
         self._enqueue([Chunk(chunk_id, result, index, enc)])
 
-    def _commit(self, prep: _wire.Prepared, borrower: Any) -> _wire.Encoded:
+    def _commit(self, prep: _wire.Prepared, borrower: Any, pin: bool = True) -> _wire.Encoded:
         """``_wire.commit`` into the parent's arena, waiting for memory (``wait_for_space``).
         A pool terminated or broken meanwhile raises its PoolStateError, whether the wait hook
         gave up or the arena was closed under the waiting caller: the ShmCapacityError either
         raises would blame memory for a stopped pool."""
         self.tls.wait_start = None
         try:
-            return _wire.commit(prep, arena=self.arena, borrower=borrower, wait=self.wait_for_space)
+            return _wire.commit(
+                prep,
+                arena=self.arena,
+                borrower=borrower,
+                wait=self.wait_for_space,
+                adopt=self._adopt,
+                copied=self.pins.pin if pin else None,
+            )
         except ShmCapacityError:
             if self.flags.stopped:
                 self.flags.check_running()
             raise
+
+    def _adopt(self, x: Any, borrower: Any) -> tuple | None:
+        """``_wire.commit``'s ``adopt``: ``(entry, handle)`` naming a slot already in shared
+        memory, with a reference for ``borrower``, when the jax.Array ``x`` was copied into the
+        parent's arena before and lives (Note [the same array again] in ``_pins``), or is
+        exactly a live result slot of a running worker whose segment fd the parent kept, the
+        slot then booked in the parent's arena (Note [a result sent on]); else None."""
+        got = self.pins.find(x, borrower)
+        if got is not None:
+            return got
+        workers = self.workers
+
+        def lookup(ptr: int, nbytes: int):
+            for w in list(workers):
+                if w.mapper.live and w.mapper.held_at(ptr, nbytes) is not None:
+                    return w, ptr, nbytes
+            return None
+
+        def book(found) -> Handle | None:
+            w, ptr, nbytes = found
+            with self.lock:  # a worker's fds close only once it left ``workers`` under this lock
+                got = None if w.dead or w not in workers else w.mapper.held_at(ptr, nbytes)
+                if got is None or got[2] is None:
+                    return None
+                h, holder, fd, size = got
+                return self.arena.adopt((w.serial, h.seg), fd, size, h, holder, borrower)
+
+        return _wire.forward_entry(x, lookup, book)
 
     def submit_plain(self, items: list) -> None:
         """Queue chunks that hold no large array and no SharedTree (nothing to copy) in one go,
@@ -544,12 +598,13 @@ class Engine:
         """A holder over this process's own slot (a worker sent back one of our arrays)."""
         seg = self.arena.segment(handle.seg)
         off, nbytes = handle.offset, handle.nbytes
-        if seg is None or seg.mm is None or off + nbytes > seg.size or not self.arena.acquire(handle, "self"):
+        mm = None if seg is None or off + nbytes > seg.size else self.arena.mapping(handle.seg)
+        if mm is None or not self.arena.acquire(handle, "self"):
             raise ShmHandleError(
                 f"Bad shared-memory handle {tuple(handle)!r}: a worker referred to memory of this "
                 "process that is not live (freed, truncated or out of bounds)."
             )
-        holder = (ctypes.c_char * max(nbytes, 1)).from_buffer(seg.mm, off)
+        holder = (ctypes.c_char * max(nbytes, 1)).from_buffer(mm, off)
         weakref.finalize(holder, self.arena.defer_release, handle, "self")
         return holder
 

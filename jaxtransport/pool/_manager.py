@@ -292,6 +292,9 @@ class Manager:
         engine = self.engine
         if any(w.mapper.live for w in workers):
             _shm.collect_deferred()  # see collect_deferred: lets dead results release
+        # Arrays of the parent's own slots that workers sent back and that died since: a
+        # forwarded slot among them holds a worker's slot until applied (Note [forwarded slots]).
+        engine.arena.apply_deferred()
         forgotten = engine.arena.take_forgotten()
         with engine.lock:
             for w in workers:

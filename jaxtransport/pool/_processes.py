@@ -64,7 +64,11 @@ class WorkerRec:
         # One socket object over the pipe for both directions: non-blocking reads by the
         # manager, writes by the sender (a socket may be read and written from two threads).
         self.sock = _os.parent_socket(conn)
-        self.mapper = _shm.Mapper(fdsock, label=f"pool worker {proc.pid}")
+        # Its segments' fds stay open while mapped, a few per worker, so that a result sent on
+        # in a later task goes by handle (Note [a result sent on] in ``_engine``).
+        self.mapper = _shm.Mapper(
+            fdsock, label=f"pool worker {proc.pid}", keep_fds=True, max_kept=max(4, min(32, _os.fd_limit() // 64))
+        )
         self.sender = Sender(self.sock, fdsock, name=f"jaxtransport-pool-sender-{index}")
         self.reader = FrameReader(self.sock)
         self.outstanding: collections.deque = collections.deque()  # chunks sent, in order
