@@ -40,6 +40,8 @@ from ._trees import SharedTree
 
 __all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
 
+RANGE_CHUNK = 32  # a map of a range keeps range chunks of at least this many items (_map_async)
+
 
 class Pool:
     """A process pool with ``multiprocessing.Pool``'s API for functions that take and return
@@ -265,12 +267,14 @@ class Pool:
     ) -> MapResult:
         state = self._state
         state.check_running()
-        # Read once into a tuple (a list or a range too) and sliced below, so each chunk is a
-        # tuple, as multiprocessing's are: a slice of a range would be a range, which pickles
-        # and unpickles by a global lookup (about 1 us more per chunk at each end), and a tuple
-        # of numbers or strings is one object less for the garbage collector to track (Note
-        # [few objects per waiting chunk] in _engine).
-        items: Any = iterable if type(iterable) is tuple else tuple(iterable)
+        # Read once into a tuple (a list too) and sliced below, so each chunk is a tuple, as
+        # multiprocessing's are, and a tuple of numbers or strings is one object less for the
+        # garbage collector to track (Note [few objects per waiting chunk] in _engine). A range
+        # stays a range for chunks of RANGE_CHUNK items or more (its slices are ranges: a few
+        # bytes however long, where a tuple costs each item at both ends), and becomes a tuple
+        # for smaller ones (a range pickles and unpickles by a global lookup: about 1 us more
+        # per chunk at each end).
+        items: Any = iterable if type(iterable) in (tuple, range) else tuple(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:
@@ -278,6 +282,8 @@ class Pool:
         if not isinstance(chunksize, int) or (chunksize < 1 and items):
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
         chunksize = max(chunksize, 1)
+        if type(items) is range and chunksize < RANGE_CHUNK:
+            items = tuple(items)
         # Phase 1 for every chunk first: a Tracer or unpicklable item anywhere fails the call
         # before any shared memory is taken or any task sent.
         blob = state.function_blob(func) if len(items) > chunksize else func
