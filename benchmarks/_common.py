@@ -10,7 +10,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -62,18 +62,34 @@ def timeit(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float,
     return statistics.median(times), min(times), max(times)
 
 
-def timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+def timed(fn: Callable[..., object], reps: int, warmup: int = 1, prepare: Callable[[], object] | None = None) -> list[float]:
     """The seconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones, with a
-    garbage collection before each timed call (so none lands inside one)."""
+    garbage collection before each timed call (so none lands inside one). With ``prepare``,
+    each call is ``fn(prepare())``, ``prepare()`` run outside the timed region."""
     for _ in range(warmup):
-        fn()
+        fn() if prepare is None else fn(prepare())
     ts = []
     for _ in range(reps):
+        arg = None if prepare is None else prepare()
         gc.collect()
         t = time.perf_counter()
-        fn()
+        fn() if prepare is None else fn(arg)
         ts.append(time.perf_counter() - t)
+        del arg
     return ts
+
+
+def fresh_copies(x: Any) -> Callable[[], Any]:
+    """A function that returns a new jax.Array equal to ``x`` at each call, computed and ready.
+    A jaxtransport Pool or queue sends the *same* live array again by handle (no copy:
+    ``benchmarks/forward.py`` measures that), so a row that times moving an array makes a new
+    one for each call, outside the timed region, as a learner's new parameters each step."""
+    import jax
+
+    def make():
+        return jax.block_until_ready(x + 0)
+
+    return make
 
 
 def reps_for(nbytes: int, quick: bool) -> int:

@@ -34,20 +34,24 @@ def run(quick: bool = False) -> list[dict]:
         cases.append(("tiny task", 8, 1))
         for name, size, x in cases:
             calls = {
-                "jaxtransport.Pool": lambda: pool.apply(noop, (x,)),
-                "jaxtransport.Executor": lambda: ex.submit(noop, x).result(),
+                "jaxtransport.Pool": lambda a: pool.apply(noop, (a,)),
+                "jaxtransport.Executor": lambda a: ex.submit(noop, a).result(),
             }
+            # An array: a new one each call (the same one again goes by handle: forward.py).
+            new = _common.fresh_copies(x) if size > 8 else (lambda: x)
             times: dict[str, list[float]] = {k: [] for k in calls}
             n = 200 if size == 8 else 1
             for _ in range(3):
                 for call in calls.values():
-                    call()
+                    call(new())
             for _ in range(reps):
                 for k, call in calls.items():
+                    args = [new() for _ in range(n)]
                     t0 = time.perf_counter()
-                    for _ in range(n):
-                        call()
+                    for a in args:
+                        call(a)
                     times[k].append((time.perf_counter() - t0) / n)
+                    del args
             base = statistics.median(times["jaxtransport.Pool"])
             for k, ts in times.items():
                 med = statistics.median(ts)

@@ -311,6 +311,14 @@ def _forward() -> None:
         FIGURES[f"forward.{tag}.ms"] = F("forward", "seconds", "ms", name=name, size=size, transport=t)
         if name != "memcpy":
             FIGURES[f"forward.{tag}.memcpy"] = F("forward", "vs_memcpy", "x2", name=name, size=size, transport=t)
+    pool = ("map_after_map", "jaxtransport.Pool (a result, by handle)")
+    FIGURES["forward.pool.ms"] = F("forward", "seconds", "ms", name=pool[0], size=size, transport=pool[1])
+    FIGURES["forward.pool.transfer.ms"] = F("forward", "transfer_s", "ms", name=pool[0], size=size, transport=pool[1])
+    FIGURES["forward.pool.fresh.ms"] = F("forward", "seconds", "ms", name=pool[0], size=size,
+                                         transport="jaxtransport.Pool (fresh array, copied)")
+    FIGURES["forward.pool.tiny.ms"] = F("forward", "seconds", "ms", name=pool[0], size=size,
+                                        transport="jaxtransport.Pool (4 elements, no transfer)")
+    FIGURES["forward.pool.ratio"] = F("forward", "ratio", "x", name=pool[0], size=size, transport=pool[1])
     FIGURES["forward.resend.vs_torch"] = F("forward", "vs_torch", "x2", name="resend", size=size,
                                            transport="jaxtransport (same array, by handle)")
     FIGURES["forward.torch.version"] = F("forward", "torch_version", "raw", name="resend", size=size,
@@ -710,6 +718,11 @@ BENCHMARKS_ROWS = [
         "memcpy; `torch.multiprocessing` re-sending a shared tensor ({forward.torch.version}): {forward.resend.torch.ms}",
         "{forward.relay.ms} / {forward.fanout.memcpy} a warm memcpy / {forward.resend.ms}",
         "re-sent: {forward.resend.vs_torch} torch"),
+    Row("Pool, 256 MiB: a worker's result fed into the next `map` (one item; the map of a 4-element array: "
+        "{forward.pool.tiny.ms})",
+        "the same map of a fresh array (copied): {forward.pool.fresh.ms}",
+        "{forward.pool.ms} ({forward.pool.transfer.ms} more than the 4-element map)",
+        "{forward.pool.ratio}"),
     Row("`jaxtransport.multiprocessing.Pipe`, steady state: 64 MiB / 1 GiB",
         "{pipe.64m.mp.s} / {pipe.1g.mp.s}; torch: {pipe.64m.torch.s} / {pipe.1g.torch.s}",
         "{pipe.64m.jt.s} / {pipe.1g.jt.s}",

@@ -97,10 +97,10 @@ def _print(r):
     _common.print_median_row(r, name_width=16, size_width=6, seconds_width=8, tail=ratio)
 
 
-def _timed(fn):
+def _timed(fn, *args):
     gc.collect()
     t = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return time.perf_counter() - t, out
 
 
@@ -110,13 +110,17 @@ def _block(x):
     return x
 
 
-def _measure(label, nbytes, times, steady, send, fetch):
+def _measure(label, nbytes, times, steady, send, fetch, new=None):
     """The first argument and the first result through an already started pool or cluster
-    (``send()`` returns the byte count the worker saw, ``fetch()`` an array of ``nbytes``),
-    then ``steady`` repeats of each, appended to ``times[(row name, label)]``."""
+    (``send(x)`` returns the byte count the worker saw, ``fetch()`` an array of ``nbytes``),
+    then ``steady`` repeats of each, appended to ``times[(row name, label)]``. Each argument is
+    ``new()``, made outside the timed region (a jaxtransport Pool sends the same live array
+    again by handle: ``benchmarks/forward.py`` measures that)."""
     for i in range(1 + steady):
         kind = "first" if i == 0 else "steady"
-        dt, n = _timed(send)
+        x = new()
+        dt, n = _timed(send, x)
+        del x
         if i == 0:
             assert n == nbytes
         times.setdefault((f"{kind}_argument", label), []).append(dt)
@@ -134,8 +138,8 @@ def _jt_once(nbytes, x, times, reserve, steady):
     with jt.Pool(1, shm_reserve=nbytes if reserve else None) as pool:
         pool.apply(noop)
         pool.apply(make, ("jax", nbytes))
-        _measure(label, nbytes, times, steady, lambda: pool.apply(nbytes_of, (x,)),
-                 lambda: _block(pool.apply(get, (nbytes,))))
+        _measure(label, nbytes, times, steady, lambda a: pool.apply(nbytes_of, (a,)),
+                 lambda: _block(pool.apply(get, (nbytes,))), _common.fresh_copies(x))
 
 
 def _ray_once(nbytes, x_np, times, steady):
@@ -149,8 +153,8 @@ def _ray_once(nbytes, x_np, times, steady):
         get_r = ray.remote(num_cpus=1)(get)
         ray.get(nbytes_r.remote(np.ones(16)))  # a started cluster: its worker is up
         ray.get(make_r.remote("numpy", nbytes))
-        _measure(RAY, nbytes, times, steady, lambda: ray.get(nbytes_r.remote(x_np)),
-                 lambda: ray.get(get_r.remote(nbytes)))
+        _measure(RAY, nbytes, times, steady, lambda a: ray.get(nbytes_r.remote(a)),
+                 lambda: ray.get(get_r.remote(nbytes)), lambda: x_np)
     finally:
         ray.shutdown()
 
@@ -166,8 +170,8 @@ def _mp_once(nbytes, x, times, registered):
         with ctx.Pool(1, initializer=_register if registered else None) as pool:
             pool.apply(noop)
             pool.apply(make, ("jax", nbytes))
-            _measure(label, nbytes, times, 0, lambda: pool.apply(nbytes_of, (x,)),
-                     lambda: _block(pool.apply(get, (nbytes,))))
+            _measure(label, nbytes, times, 0, lambda a: pool.apply(nbytes_of, (a,)),
+                     lambda: _block(pool.apply(get, (nbytes,))), lambda: x)
     finally:
         if registered:
             jt.unregister()

@@ -4,7 +4,9 @@ same bytes measured in the same run?
 
 Questions, one per row group:
 - ``argument``/``result``: one array argument to a worker (worker returns its shape), or one array
-  result back (the worker returns an array it already holds), 1 KiB ... 1 GiB.
+  result back (the worker returns an array it already holds), 1 KiB ... 1 GiB. Each argument is
+  a new array, made outside the timed region: the same live array sent again goes by handle, not
+  copied (``benchmarks/forward.py`` measures that).
 - ``steady``: the same >= 64 MiB round trip repeated (recycled memory, no fresh pages).
 - (per-task cost, tasks sent one by one, is ``benchmarks/tasks.py``'s question: it replaced the
   ``tiny`` rows, a 10,000-item ``map`` at its default chunk size that timed a handful of chunks.)
@@ -153,10 +155,13 @@ def bench_transfers(sizes, baselines_up_to, rows):
             rows.append(_row("memcpy", nbytes, "memcpy", [mem]))
             _print_row(rows[-1])
             for direction in ("argument", "result"):
+                prepare = None
                 if direction == "argument":
-                    jt_fn = lambda: jpool.apply(shape_of, (x,))
-                    mp_fn = lambda: mpool.apply(shape_of, (x,))
-                    ex_fn = lambda: ex.submit(shape_of, x).result()
+                    # A new array each call (the same one again goes by handle: forward.py).
+                    prepare = _common.fresh_copies(x)
+                    jt_fn = lambda a: jpool.apply(shape_of, (a,))
+                    mp_fn = lambda a: mpool.apply(shape_of, (a,))
+                    ex_fn = lambda a: ex.submit(shape_of, a).result()
                 else:
                     def jt_fn():
                         jax.block_until_ready(jpool.apply(cached_array, (nbytes,)))
@@ -166,14 +171,13 @@ def bench_transfers(sizes, baselines_up_to, rows):
 
                     def ex_fn():
                         jax.block_until_ready(ex.submit(cached_array, nbytes).result())
-                t0 = time.perf_counter()
-                jt_fn()  # the first transfer of this size: new segments, first touch
-                first = time.perf_counter() - t0
-                jts = _common.timed(jt_fn, _reps(nbytes), warmup=1)
+                first = _common.timed(jt_fn, 1, warmup=0, prepare=prepare)[0]  # new segments, first touch
+                jts = _common.timed(jt_fn, _reps(nbytes), warmup=1, prepare=prepare)
                 base = None
                 if nbytes <= baselines_up_to:
-                    mps = _common.timed(mp_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
-                    exs = _common.timed(ex_fn, _reps(nbytes, True), warmup=1 if nbytes <= 64 * MIB else 0)
+                    warm = 1 if nbytes <= 64 * MIB else 0
+                    mps = _common.timed(mp_fn, _reps(nbytes, True), warmup=warm, prepare=prepare)
+                    exs = _common.timed(ex_fn, _reps(nbytes, True), warmup=warm, prepare=prepare)
                     base = _median(mps)
                     rows.append(_row(direction, nbytes, "multiprocessing.Pool", mps, memcpy=mem))
                     _print_row(rows[-1])
@@ -201,19 +205,19 @@ def bench_steady(sizes, rows, loops=15):
             src = np.ones(nbytes, np.uint8)
             dst = np.zeros(nbytes, np.uint8)
             np.copyto(dst, src)
+            fresh = _common.fresh_copies(x)  # a new array each call (the same one: by handle)
             for _ in range(2):
-                pool.apply(shape_of, (x,))
+                pool.apply(shape_of, (fresh(),))
                 jax.block_until_ready(pool.apply(cached_array, (nbytes,)))
-            for direction, fn in (
-                ("steady_argument", lambda: pool.apply(shape_of, (x,))),
-                ("steady_result", lambda: jax.block_until_ready(pool.apply(cached_array, (nbytes,)))),
+            for direction, fn, prepare in (
+                ("steady_argument", lambda a: pool.apply(shape_of, (a,)), fresh),
+                ("steady_result", lambda: jax.block_until_ready(pool.apply(cached_array, (nbytes,))), None),
             ):
-                fn()
-                fn()
+                _common.timed(fn, 0, warmup=2, prepare=prepare)
                 ts, mems = [], []
                 for _ in range(loops):
                     mems.extend(_common.timed(lambda: np.copyto(dst, src), 1, warmup=0))
-                    ts.extend(_common.timed(fn, 1, warmup=0))
+                    ts.extend(_common.timed(fn, 1, warmup=0, prepare=prepare))
                 row = _row(direction, nbytes, "jaxtransport.Pool", ts, memcpy=_median(mems))
                 row["vs_memcpy"] = _median([t / m for t, m in zip(ts, mems)])
                 rows.append(row)
@@ -337,13 +341,15 @@ def bench_broadcast(nbytes, rows, workers=(1, 2, 4), reps=5):
         with jt.Pool(n) as pool:
             pool.map(noop, range(4 * n), chunksize=1)
 
-            def once():
-                shared = pool.share(params)
+            def once(p):
+                shared = pool.share(p)
                 out = pool.map(read_param, [(shared, i) for i in range(n)], chunksize=1)
                 shared.release()
                 return out
 
-            ts = _common.timed(once, reps, warmup=2)
+            # New parameters each time, as a learner's each step (the same ones: by handle).
+            new_w = _common.fresh_copies(params["w"])
+            ts = _common.timed(once, reps, warmup=2, prepare=lambda: {"w": new_w(), "b": params["b"]})
         sec = _median(ts)
         if one is None:
             one = sec
