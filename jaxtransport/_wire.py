@@ -596,48 +596,20 @@ def commit(
     return Encoded(prep.data, entries, handles, prep.trees, segs)
 
 
-def forward_entry(x: Any, lookup: Callable[[int, int], Any], handle_of: Callable[[Any], Handle | None]) -> tuple | None:
-    """The entry that sends a jax.Array ``x`` by handle when it is exactly one received slot:
-    one buffer on the host at an address where ``found = lookup(address, nbytes)`` is not None,
-    ``handle_of(found)`` the handle to name (None: copy it after all). None otherwise."""
+def _host_buffer(x: Any) -> tuple[int, int] | None:
+    """``(address, nbytes)`` of an array's memory on the host, None when it has none there."""
     ptr = _pointer(x)
     if ptr is None:
         return None
     try:
-        nb = int(x.nbytes)
+        return ptr, int(x.nbytes)
     except Exception:
         return None
-    found = lookup(ptr, nb)
-    if found is None:
-        return None
-    from . import _codec
-
-    try:
-        meta, bufs = _codec.encode(x)
-    except Exception:
-        return None
-    if meta.indices or len(bufs) != 1 or _pointer(bufs[0]) != ptr:
-        return None
-    handle = handle_of(found)
-    if handle is None:
-        return None
-    return ("jax", tuple(meta), ((0, nb),), tuple(handle)), handle
 
 
-def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
-    """An entry naming the peer's own slot when ``x`` is exactly a live received slot."""
-    ptr = _pointer(x)
-    if ptr is None:
-        return None
-    try:
-        nb = int(x.nbytes)
-    except Exception:
-        return None
-    h = peer.find(ptr, nb)
-    if h is None:
-        return None
-    if kind == "np":
-        return ("ref", "np", (x.dtype, x.shape), tuple(h))
+def _one_buffer_meta(x: Any) -> tuple[tuple, Any] | None:
+    """``(meta, buffer)``: the codec's meta of a jax.Array held in one buffer, and that buffer;
+    None for several buffers (a sharded array), or one the codec refuses."""
     from . import _codec
 
     try:
@@ -646,7 +618,37 @@ def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
         return None
     if meta.indices or len(bufs) != 1:
         return None
-    return ("ref", "jax", tuple(meta), tuple(h))
+    return tuple(meta), bufs[0]
+
+
+def forward_entry(x: Any, lookup: Callable[[int, int], Any], handle_of: Callable[[Any], Handle | None]) -> tuple | None:
+    """The entry that sends a jax.Array ``x`` by handle when it is exactly one received slot:
+    one buffer on the host at an address where ``found = lookup(address, nbytes)`` is not None,
+    ``handle_of(found)`` the handle to name (None: copy it after all). None otherwise."""
+    at = _host_buffer(x)
+    if at is None:
+        return None
+    ptr, nbytes = at
+    found = lookup(ptr, nbytes)
+    got = None if found is None else _one_buffer_meta(x)
+    if got is None or _pointer(got[1]) != ptr:
+        return None
+    handle = handle_of(found)
+    if handle is None:
+        return None
+    return ("jax", got[0], ((0, nbytes),), tuple(handle)), handle
+
+
+def _as_ref(kind: str, x: Any, peer: Mapper) -> tuple | None:
+    """An entry naming the peer's own slot when ``x`` is exactly a live received slot."""
+    at = _host_buffer(x)
+    h = None if at is None else peer.find(*at)
+    if h is None:
+        return None
+    if kind == "np":
+        return ("ref", "np", (x.dtype, x.shape), tuple(h))
+    got = _one_buffer_meta(x)
+    return None if got is None else ("ref", "jax", got[0], tuple(h))
 
 
 def materialize(
