@@ -266,9 +266,11 @@ def test_submitted_work_finishes_at_interpreter_exit_as_concurrent_futures(tmp_p
             assert ours == stock == (set(range(6)), set()), mode
             continue
         # The calls already handed to workers run, the rest are cancelled (how many are handed
-        # over ahead differs: the stock executor queues max_workers + 1, this one 2 * max_workers).
+        # over ahead differs: the stock executor queues up to max_workers + 1, this one
+        # 2 * max_workers; the stock one's manager thread may have moved only the first when
+        # shutdown() cancels, which a CI run saw: ({0}, set())).
         for ran, _ in (stock, ours):
-            assert 2 <= len(ran) < 6 and ran == set(range(len(ran))), (stock, ours)
+            assert 1 <= len(ran) < 6 and ran == set(range(len(ran))), (stock, ours)
         ran, cancelled = ours  # here cancel_futures cancels before shutdown() returns
         assert cancelled == set(range(6)) - ran
 
