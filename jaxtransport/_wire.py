@@ -526,18 +526,17 @@ def commit(
     borrower: Any,
     wait: Callable | None = None,
     peer: Mapper | None = None,
-    reuse: Callable[[Any], tuple | None] | None = None,
-    adopt: Callable[[Any, Any], tuple[tuple, Handle] | None] | None = None,
+    adopt: Callable[[Any, Any], tuple[tuple, Handle | None] | None] | None = None,
     copied: Callable[[Any, tuple, Handle], None] | None = None,
 ) -> Encoded:
     """Phase 2: copy each set-aside array once into a slot of ``arena`` (one reference held by
-    ``borrower``), or name the peer's slot when it already lives there, or (``reuse``, a
-    jax.Array only) the entry ``reuse(x)`` gives for an array already in shared memory (None:
-    copy it), or (``adopt``, a jax.Array only) the ``(entry, handle)`` that ``adopt(x,
-    borrower)`` gives for a slot it booked in ``arena`` (Note [forwarded slots] in ``_shm``;
-    None: copy it); ``copied(x, entry, handle)`` is told of each jax.Array copied. Cost: one
-    memcpy per array copied. On error, every slot taken so far is released (what ``reuse`` gave
-    is its caller's to give back)."""
+    ``borrower``), or name the peer's slot when it already lives there, or (``adopt``, a
+    jax.Array only) send the ``(entry, handle)`` that ``adopt(x, borrower)`` gives for an array
+    already in shared memory (None: copy it): ``handle`` a slot it booked in ``arena`` for
+    ``borrower`` (Note [forwarded slots] in ``_shm``), released with the others on error, or
+    None for memory whose books are the caller's (a queue's leases, given back by the caller).
+    ``copied(x, entry, handle)`` is told of each jax.Array copied. Cost: one memcpy per array
+    copied. On error, every slot taken so far is released."""
     entries: list[tuple] = []
     handles: list[tuple] = []
     segs: set[int] = set()
@@ -551,18 +550,14 @@ def commit(
                 if entry is not None:
                     entries.append(entry)
                     continue
-            if reuse is not None and kind == "jax":
-                entry = reuse(x)
-                if entry is not None:  # its segment may be another process's: not in ``segs``
-                    entries.append(entry)
-                    continue
             if adopt is not None and kind == "jax":
                 got = adopt(x, borrower)
-                if got is not None:  # a slot of the arena's now, as one it made
-                    entry, handle = got
+                if got is not None:
+                    entry, booked = got
                     entries.append(entry)
-                    handles.append(handle)
-                    segs.add(handle.seg)
+                    if booked is not None:  # a slot of the arena's now, as one it made
+                        handles.append(booked)
+                        segs.add(booked.seg)
                     continue
             if kind == "np":
                 src = x if x.flags.c_contiguous else np.ascontiguousarray(x)

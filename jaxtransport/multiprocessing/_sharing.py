@@ -503,9 +503,10 @@ def _close_owned(fds) -> None:
 
 
 class _Reuse:
-    """``_wire.commit``'s ``reuse`` for one message: a jax.Array already in shared memory
+    """``_wire.commit``'s ``adopt`` for one message: a jax.Array already in shared memory
     (pinned by this process, or received and forwarded) goes as a lease on its slot (Note
-    [sending by handle]). Records, per array, the owner, the lease and the fd to pass."""
+    [sending by handle]), booked here, not in the arena (its handle is None). Records, per
+    array, the owner, the lease and the fd to pass."""
 
     def __init__(self, p: Producer):
         self.p = p
@@ -516,7 +517,7 @@ class _Reuse:
         self.owned: list[int] = []  # duplicated fds of forwarded segments
         self.leases: list[tuple] = []  # (mm, hoff, j, serial) taken here
 
-    def __call__(self, x: Any) -> tuple | None:
+    def __call__(self, x: Any, _borrower: Any) -> tuple[tuple, None] | None:
         pinned = self.p.lease_pinned(x)
         if pinned is not None:  # this process's own slot: the arena's fd, not ours to close
             key, (entry, fd, mm, lease), dup = self.p.key, pinned, False
@@ -537,7 +538,7 @@ class _Reuse:
                 self.owned.append(fd)
         elif dup:
             _close_owned([fd])
-        return entry
+        return entry, None
 
     def give_back(self) -> None:
         for mm, hoff, j, serial in self.leases:
@@ -616,7 +617,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
         _consumer.apply_releases()  # what this process received and dropped, before allocating
     reuse = _Reuse(p) if prep.found and not _os.in_band() else None
     try:
-        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), reuse=reuse)  # type: ignore[arg-type]
+        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), adopt=reuse)  # type: ignore[arg-type]
     except BaseException as e:
         if reuse is not None:
             reuse.give_back()

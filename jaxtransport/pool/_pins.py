@@ -117,8 +117,7 @@ class Pins:
         self.bytes -= nbytes
         if ref() is None:
             return None  # its release is queued already
-        # Its callback must no longer release: a dead ref's callback is dropped with the ref.
-        del ref
+        # The weak reference goes with the record, and its callback with it: the release is ours.
         return handle
 
     def _release(self, handles: list) -> None:
