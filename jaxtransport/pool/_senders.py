@@ -106,6 +106,31 @@ class Sender:
             self.thread.join(timeout)
 
 
+_SCRATCH = 64 << 10  # the first read of a worker's pipe: results without arrays are small
+_local = threading.local()
+
+
+def _scratch() -> tuple[bytearray, memoryview]:
+    """This thread's read buffer (the manager's, in practice)."""
+    try:
+        return _local.small
+    except AttributeError:
+        b = bytearray(_SCRATCH)
+        _local.small = (b, memoryview(b))
+        return _local.small
+
+
+def _large_scratch() -> tuple[bytearray, memoryview, int]:
+    """This thread's buffer for the rest of a long message, made when one first arrives."""
+    try:
+        b, v = _local.large
+    except AttributeError:
+        b = bytearray(_RECV)
+        v = memoryview(b)
+        _local.large = (b, v)
+    return b, v, _RECV
+
+
 def _close_fds(fds) -> None:
     for _seg_id, _size, fd in fds:
         try:
@@ -120,27 +145,31 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.recv = _os.nowait_receiver(sock)
+        self.recv_into = _os.nowait_receiver(sock)
         self.buf = bytearray()
 
     def read(self) -> tuple[list[bytes], bool]:
         """(the complete frames available now, whether the worker closed its end)."""
         eof = False
-        recv = self.recv
-        while True:
+        recv_into, buf = self.recv_into, self.buf
+        scratch, view = _scratch()
+        room = len(scratch)
+        while True:  # into one buffer kept per thread: no allocation per read
             try:
-                data = recv(_RECV)
+                k = recv_into(scratch)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 eof = True
                 break
-            if not data:
+            if not k:
                 eof = True
                 break
-            self.buf += data
-            if len(data) < _RECV:
+            buf += view[:k]
+            if k < room:
                 break
+            if room < _RECV:  # a long message: read the rest in larger steps
+                scratch, view, room = _large_scratch()
         frames = []
         buf, pos, end = self.buf, 0, len(self.buf)
         unpack = HEADER.unpack_from
