@@ -192,12 +192,17 @@ class Manager:
                 elif kind == "sentinel" and not w.dead:
                     self.read_from(w)
                     self.worker_exited(w)
-            self.flush_results()
-            if self.finished_any or engine.dispatch_asked:  # once per round of events
-                self.finished_any = False
-                with engine.lock:
-                    engine.dispatch_asked = False
-                    engine.dispatch()
+            done: list = []
+            try:
+                self.flush_results(later=done)
+                if self.finished_any or engine.dispatch_asked:  # once per round of events
+                    self.finished_any = False
+                    with engine.lock:
+                        engine.dispatch_asked = False
+                        engine.dispatch()
+            finally:
+                if done:  # Note [dispatch before waking]
+                    self.deliver(done)
             now = time.monotonic()
             if now - last_stall_check >= STALL_CHECK_S:  # a scan over the workers: not per message
                 last_stall_check = now
@@ -246,12 +251,24 @@ class Manager:
             self.flush_results()
             self.worker_exited(w)
 
-    def flush_results(self) -> None:
+    def flush_results(self, later: list | None = None) -> None:
         """Complete the round's runs of results: their chunks leave the books under one
         acquisition of the engine's lock, then the results are decoded and delivered with no
         lock held (one ``finish_chunks`` for all). With many workers, one acquisition per
         worker per round let a thread submitting tasks and this one hand the lock back and
-        forth for every result."""
+        forth for every result. ``later``: the completions are appended there for the caller
+        to deliver after its dispatch (Note [dispatch before waking]), unless one failed.
+
+        Note [dispatch before waking]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        At the end of a round the loop first sends the tasks that the round's results made
+        room for, then wakes the results' waiters. A waiter woken first (the caller's thread
+        in ``Future.result()`` or ``AsyncResult.get()``) wants the GIL at once, while this
+        thread still holds it for the dispatch; woken last, it gets it as this thread blocks
+        in its poll. 8 workers of 1 ms tasks on 2 cores, A/B alternating: the parent's CPU
+        per task 96-97 -> 91-95 us for ``Executor.submit``, 89-92 -> 78-84 us for
+        ``apply_async``, the wall time within the runs' noise. Books and slots are settled
+        before the dispatch either way; only the wakeups move, by the time of one dispatch."""
         runs = self.results
         if not runs:
             return
@@ -266,6 +283,9 @@ class Manager:
                 self.complete_many(w, group, got, done)
             except BaseException as e:  # noqa: BLE001 - the other workers' results still go
                 error = error or e
+        if later is not None and error is None:
+            later.extend(done)
+            return
         self.deliver(done)
         if error is not None:
             raise error
