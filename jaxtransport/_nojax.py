@@ -10,11 +10,12 @@ hand (encoding or decoding a ``jax.Array``).
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 from ._errors import PlacementError
 
-__all__ = ["PLACEMENTS", "check_placement", "find_tracer", "first_tracer", "jax_loaded"]
+__all__ = ["PLACEMENTS", "check_placement", "find_tracer", "find_tracer_in", "first_tracer", "jax_loaded"]
 
 PLACEMENTS = ("device", "host", "preserve")
 
@@ -38,13 +39,47 @@ def jax_loaded() -> bool:
     return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
 
 
+# Objects that hold no Tracer and that the search would only confirm so, by their exact type:
+# plain scalars, and what the search treats as opaque (a function is pickled by reference or
+# by cloudpickle, which finds a Tracer in its closure while pickling).
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None), complex})
+_OPAQUE = frozenset({types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType})
+
+
 def find_tracer(tree: Any, root: str = "") -> tuple[str, Any] | None:
-    """``_tracers.find_tracer``: None at once while JAX is not imported (no Tracer exists)."""
-    if not jax_loaded():
+    """``_tracers.find_tracer``: None at once while JAX is not imported (no Tracer exists), and
+    for a plain scalar, a function, or a tuple, list or dict of plain scalars (a small task's
+    arguments: no walk of JAX's pytrees, dozens of calls, per task)."""
+    if not jax_loaded() or _holds_none(tree):
         return None
     from ._tracers import find_tracer as find
 
     return find(tree, root)
+
+
+def find_tracer_in(*pairs: tuple[Any, str]) -> tuple[str, Any] | None:
+    """``find_tracer`` of each ``(object, root)`` in turn: the first found, or None (asking
+    once whether JAX is imported)."""
+    if not jax_loaded():
+        return None
+    for tree, root in pairs:
+        if not _holds_none(tree):
+            from ._tracers import find_tracer as find
+
+            found = find(tree, root)
+            if found is not None:
+                return found[0] or root, found[1]
+    return None
+
+
+def _holds_none(tree: Any) -> bool:
+    """True when ``tree`` holds no Tracer by its type alone (see ``_PLAIN``); False: look."""
+    kind = type(tree)
+    if kind in _PLAIN or kind in _OPAQUE:
+        return True
+    if kind is tuple or kind is list:
+        return len(tree) <= 8 and all(type(x) in _PLAIN for x in tree)
+    return kind is dict and len(tree) <= 8 and all(type(v) in _PLAIN for v in tree.values())
 
 
 def first_tracer(*pairs: tuple[Any, str]) -> str | None:

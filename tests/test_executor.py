@@ -709,3 +709,56 @@ def test_cpython_process_pool_tests_worker_side(start_method):
             assert [f.result(timeout=120) for f in futures] == [i * 2 for i in range(num_tasks)]
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
+
+
+def test_the_search_for_tracers_skips_plain_arguments_by_type_and_finds_every_other():
+    """``_nojax.find_tracer`` answers "none" for plain scalars, functions and short tuples,
+    lists and dicts of plain scalars without walking them; anything else is walked."""
+    from jaxtransport import _nojax
+
+    seen: dict = {}
+
+    @jax.jit
+    def f(x):
+        cases = {
+            "plain": (1, 2.0, "s", None, True, b"b"),
+            "in_tuple": (1, x, 2),
+            "in_list": [1, 2, x],
+            "in_dict": {"a": 1, "b": x},
+            "long_list": list(range(20)) + [x],
+            "long_dict": {i: i for i in range(20)} | {"t": x},
+            "nested": ((1, 2), {"k": [x]}),
+        }
+        for name, tree in cases.items():
+            found = _nojax.find_tracer(tree, "args")
+            seen[name] = None if found is None else found[0]
+        seen["fn"] = _nojax.find_tracer(square, "fn")
+        seen["in"] = _nojax.find_tracer_in(((1,), "args"), ({"w": x}, "kwargs"), (square, "fn"))
+        return x
+
+    f(jnp.ones(2))
+    assert seen["plain"] is None and seen["fn"] is None
+    assert seen["in_tuple"] == "args[1]"
+    assert seen["in_list"] == "args[2]"
+    assert seen["in_dict"] == "args['b']"
+    assert seen["long_list"] == "args[20]"
+    assert seen["long_dict"] == "args['t']"
+    assert seen["nested"] == "args[1]['k'][0]"
+    assert seen["in"][0] == "kwargs['w']"
+
+
+def test_a_queued_call_with_a_tracer_among_plain_arguments_fails_at_submit():
+    with jt.Executor(1) as ex:
+        for _ in range(2):
+            ex.submit(nap, 0.3)  # fill the in-flight slots: the next call would be queued
+
+        @jax.jit
+        def f(x):
+            with pytest.raises(jt.TracerTransportError, match=r"args\[2\]"):
+                ex.submit(square, 1, 2.0, x)
+            with pytest.raises(jt.TracerTransportError, match=r"kwargs\['y'\]"):
+                ex.submit(square, 1, y=x)
+            return x
+
+        f(jnp.ones(3))
+        assert ex.submit(square, 3).result(timeout=60) == 9

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
-from .._nojax import find_tracer
+from .._nojax import find_tracer_in
 from ._facade import Pool
 from ._results import AsyncResult, FuturesResult
 
@@ -164,12 +164,11 @@ class Executor(concurrent.futures.Executor):
         if not direct:
             # It waits in the queue: find a Tracer now (the pool's pickling finds it for direct
             # calls), so that the error is raised here, not later on the future.
-            for obj, root in ((args, "args"), (kwargs, "kwargs"), (fn, "fn")):
-                found = find_tracer(obj, root)
-                if found is not None:
-                    from .._tracers import tracer_error
+            found = find_tracer_in((args, "args"), (kwargs, "kwargs"), (fn, "fn"))
+            if found is not None:
+                from .._tracers import tracer_error
 
-                    raise tracer_error(found[1], path=found[0] or root, where="in Executor.submit")
+                raise tracer_error(found[1], path=found[0], where="in Executor.submit")
             with self._lock:
                 self._check_open()
                 self._pending.append(call)
