@@ -418,9 +418,21 @@ def _tasks() -> None:
                 FIGURES[f"{key}.mp.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=stock)
                 FIGURES[f"{key}.jt.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport=jt)
                 FIGURES[f"{key}.ratio"] = F("tasks", "ratio", "x2", name=name, workers=w, transport=jt)
+                if ttag != "0":  # tasks that sleep: a perfect pool's time per task, and what a pool adds
+                    FIGURES[f"{key}.ideal.us"] = F("tasks", "ideal_seconds", "us", name=name, workers=w, transport=jt)
+                    FIGURES[f"{key}.jt.added.us"] = Derived((f"{key}.jt.us", f"{key}.ideal.us"), lambda a, b: a - b, "us")
                 if not label.startswith("Pool"):
                     FIGURES[f"{key}.loky.us"] = F("tasks", "seconds", "us", name=name, workers=w, transport="loky")
                     FIGURES[f"{key}.vs_loky"] = Derived((f"{key}.loky.us", f"{key}.jt.us"), lambda a, b: a / b, "x2")
+                    if ttag != "0":
+                        # the most any pool could reach against loky (its time over ours at no
+                        # cost beyond the tasks'), and loky's added time over ours
+                        FIGURES[f"{key}.loky_ceiling"] = Derived(
+                            (f"{key}.loky.us", f"{key}.ideal.us"), lambda a, b: a / b, "x2")
+                        FIGURES[f"{key}.loky.added.us"] = Derived(
+                            (f"{key}.loky.us", f"{key}.ideal.us"), lambda a, b: a - b, "us")
+                        FIGURES[f"{key}.added_vs_loky"] = Derived(
+                            (f"{key}.loky.added.us", f"{key}.jt.added.us"), lambda a, b: a / b, "x2")
 
 
 def _joblib() -> None:
@@ -697,6 +709,15 @@ BENCHMARKS_ROWS = [
         "{tasks.submit.0.2.jt.us} / {tasks.exmap.0.2.jt.us}",
         "{tasks.submit.0.2.ratio} / {tasks.exmap.0.2.ratio}; against loky {tasks.submit.0.2.vs_loky} / "
         "{tasks.exmap.0.2.vs_loky}"),
+    Row("Executor, 1 ms tasks (`time.sleep`), `submit`, 2 / 8 workers, per task",
+        "loky: {tasks.submit.1ms.2.loky.us} / {tasks.submit.1ms.8.loky.us}, of which "
+        "{tasks.submit.1ms.2.loky.added.us} / {tasks.submit.1ms.8.loky.added.us} beyond the tasks' own "
+        "time ({tasks.submit.1ms.2.ideal.us} / {tasks.submit.1ms.8.ideal.us} a task)",
+        "{tasks.submit.1ms.2.jt.us} / {tasks.submit.1ms.8.jt.us}, of which {tasks.submit.1ms.2.jt.added.us} / "
+        "{tasks.submit.1ms.8.jt.added.us} beyond the tasks' own",
+        "{tasks.submit.1ms.2.vs_loky} / {tasks.submit.1ms.8.vs_loky} loky's speed (at most "
+        "{tasks.submit.1ms.2.loky_ceiling} / {tasks.submit.1ms.8.loky_ceiling} for any pool); added time "
+        "{tasks.submit.1ms.2.added_vs_loky} / {tasks.submit.1ms.8.added_vs_loky} less"),
     Row("Pool: 20 quick tasks beside one long task", "{pool.beside.mp.s}", "{pool.beside.jt.s}",
         "{pool.beside.ratio}"),
     Row("Pool: `share()` + one task per worker, 4 workers against 1 (2 cores)", "",
