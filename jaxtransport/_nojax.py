@@ -50,11 +50,7 @@ def find_tracer(tree: Any, root: str = "") -> tuple[str, Any] | None:
     """``_tracers.find_tracer``: None at once while JAX is not imported (no Tracer exists), and
     for a plain scalar, a function, or a tuple, list or dict of plain scalars (a small task's
     arguments: no walk of JAX's pytrees, dozens of calls, per task)."""
-    if not jax_loaded() or _holds_none(tree):
-        return None
-    from ._tracers import find_tracer as find
-
-    return find(tree, root)
+    return find_tracer_in((tree, root))
 
 
 def find_tracer_in(*pairs: tuple[Any, str]) -> tuple[str, Any] | None:

@@ -151,11 +151,17 @@ def test_tracer_fails_at_submit_with_its_path():
         def f(x):
             with pytest.raises(jt.TracerTransportError, match=r"args\[0\]\['w'\]"):
                 ex.submit(square, {"w": x})
+            # among plain arguments, which the search skips by type
+            with pytest.raises(jt.TracerTransportError, match=r"args\[2\]"):
+                ex.submit(square, 1, 2.0, x)
+            with pytest.raises(jt.TracerTransportError, match=r"kwargs\['y'\]"):
+                ex.submit(square, 1, y=x)
             return x
 
         f(jnp.ones(3))
         with pytest.raises(jt.TracerTransportError):
             jax.jit(lambda x: ex.submit(square, x) and x)(jnp.ones(2))
+        assert ex.submit(square, 3).result(timeout=60) == 9
 
 
 def test_worker_death_fails_only_its_future():
@@ -745,20 +751,3 @@ def test_the_search_for_tracers_skips_plain_arguments_by_type_and_finds_every_ot
     assert seen["long_dict"] == "args['t']"
     assert seen["nested"] == "args[1]['k'][0]"
     assert seen["in"][0] == "kwargs['w']"
-
-
-def test_a_queued_call_with_a_tracer_among_plain_arguments_fails_at_submit():
-    with jt.Executor(1) as ex:
-        for _ in range(2):
-            ex.submit(nap, 0.3)  # fill the in-flight slots: the next call would be queued
-
-        @jax.jit
-        def f(x):
-            with pytest.raises(jt.TracerTransportError, match=r"args\[2\]"):
-                ex.submit(square, 1, 2.0, x)
-            with pytest.raises(jt.TracerTransportError, match=r"kwargs\['y'\]"):
-                ex.submit(square, 1, y=x)
-            return x
-
-        f(jnp.ones(3))
-        assert ex.submit(square, 3).result(timeout=60) == 9

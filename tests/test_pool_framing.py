@@ -86,10 +86,10 @@ def test_a_frame_larger_than_the_first_buffer_is_read_whole(size):
 
 
 def test_the_buffers_are_one_per_thread_and_reused():
-    small = _senders._scratch()
-    assert _senders._scratch() is small
+    small = _senders._buffer("small", _senders._SCRATCH)
+    assert _senders._buffer("small", _senders._SCRATCH) is small
     other: list = []
-    t = threading.Thread(target=lambda: other.append(_senders._scratch()))
+    t = threading.Thread(target=lambda: other.append(_senders._buffer("small", _senders._SCRATCH)))
     t.start()
     t.join()
     assert other[0][0] is not small[0]

@@ -110,25 +110,16 @@ _SCRATCH = 64 << 10  # the first read of a worker's pipe: results without arrays
 _local = threading.local()
 
 
-def _scratch() -> tuple[bytearray, memoryview]:
-    """This thread's read buffer (the manager's, in practice)."""
+def _buffer(name: str, size: int) -> tuple[bytearray, memoryview]:
+    """This thread's read buffer ``name`` of ``size`` bytes (the manager's, in practice), made
+    at its first use: ``small`` for every first read, ``large`` for the rest of a long message."""
     try:
-        return _local.small
+        return getattr(_local, name)
     except AttributeError:
-        b = bytearray(_SCRATCH)
-        _local.small = (b, memoryview(b))
-        return _local.small
-
-
-def _large_scratch() -> tuple[bytearray, memoryview, int]:
-    """This thread's buffer for the rest of a long message, made when one first arrives."""
-    try:
-        b, v = _local.large
-    except AttributeError:
-        b = bytearray(_RECV)
-        v = memoryview(b)
-        _local.large = (b, v)
-    return b, v, _RECV
+        b = bytearray(size)
+        pair = (b, memoryview(b))
+        setattr(_local, name, pair)
+        return pair
 
 
 def _close_fds(fds) -> None:
@@ -152,7 +143,7 @@ class FrameReader:
         """(the complete frames available now, whether the worker closed its end)."""
         eof = False
         recv_into, buf = self.recv_into, self.buf
-        scratch, view = _scratch()
+        scratch, view = _buffer("small", _SCRATCH)
         room = len(scratch)
         while True:  # into one buffer kept per thread: no allocation per read
             try:
@@ -169,7 +160,8 @@ class FrameReader:
             if k < room:
                 break
             if room < _RECV:  # a long message: read the rest in larger steps
-                scratch, view, room = _large_scratch()
+                scratch, view = _buffer("large", _RECV)
+                room = _RECV
         frames = []
         buf, pos, end = self.buf, 0, len(self.buf)
         unpack = HEADER.unpack_from
