@@ -17,6 +17,7 @@ _PUBLIC = {
     "ArrayDeletedError": "._errors",
     "BrokenExecutorError": "._errors",
     "CorruptTransferError": "._errors",
+    "DeviceUnavailableError": "._errors",
     "DtypeUnavailableError": "._errors",
     "MainGuardError": "._errors",
     "PlacementError": "._errors",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from ._errors import ArrayDeletedError as ArrayDeletedError
     from ._errors import BrokenExecutorError as BrokenExecutorError
     from ._errors import CorruptTransferError as CorruptTransferError
+    from ._errors import DeviceUnavailableError as DeviceUnavailableError
     from ._errors import DtypeUnavailableError as DtypeUnavailableError
     from ._errors import MainGuardError as MainGuardError
     from ._errors import PlacementError as PlacementError
@@ -92,6 +94,7 @@ __all__ = [
     "ArrayDeletedError",
     "BrokenExecutorError",
     "CorruptTransferError",
+    "DeviceUnavailableError",
     "DtypeUnavailableError",
     "Executor",
     "MainGuardError",

@@ -487,3 +487,31 @@ def jax_default_array_rebuild() -> tuple[str, str] | None:
     except Exception:  # pragma: no cover - another layout
         pass
     return None
+
+
+def initialized_platforms() -> set[str] | None:
+    """The platforms of the JAX backends this process has started, None when none has started
+    (so JAX may still take an accelerator). Reads ``jax._src.xla_bridge._backends`` (the dict
+    ``backends()`` fills; present from jax 0.4.x to 0.10 at least) without starting anything;
+    where it is missing, asks ``backends_are_initialized()`` and, only when they are, the
+    default backend."""
+    try:
+        from jax._src import xla_bridge
+    except Exception:  # noqa: BLE001 - no JAX internals: say nothing is known
+        return None
+    backends = getattr(xla_bridge, "_backends", None)
+    if isinstance(backends, dict):
+        return {str(p).lower() for p in backends} or None
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    if probe is not None and probe():
+        import jax
+
+        return {jax.default_backend()}
+    return None
+
+
+def cached_host_copy(x: Any) -> np.ndarray | None:
+    """The host copy JAX keeps of a one-device array once ``np.asarray`` fetched it
+    (``ArrayImpl._npy_value``, jax 0.4 to 0.10 at least), or None."""
+    value = getattr(x, "_npy_value", None)
+    return value if isinstance(value, np.ndarray) else None

@@ -12,6 +12,7 @@ import threading
 __all__ = [
     "ArrayDeletedError",
     "CorruptTransferError",
+    "DeviceUnavailableError",
     "DtypeUnavailableError",
     "LockOrderError",
     "MainGuardError",
@@ -130,6 +131,12 @@ class CorruptTransferError(TransportError, ValueError):
     reserving memory the buffers cannot fill. Usually a bug or a damaged channel between the two
     processes (or two jaxtransport versions that disagree); the data is not usable.
     """
+
+
+class DeviceUnavailableError(TransportError):
+    """A process could not open its accelerator because another process holds it (a TPU chip
+    is open to one process at a time). The message names the fix (``worker_env``,
+    ``devices_per_worker``); the runtime's own error is the ``__cause__``."""
 
 
 class DtypeUnavailableError(TransportError, TypeError):

@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 
-from . import _os
+from . import _devices
 
 __all__ = [
     "NO_PREALLOCATION",
@@ -22,7 +22,6 @@ __all__ = [
     "child_jax_env",
     "environ_overlay",
     "fork_refused",
-    "gpu_ids",
     "malloc_huge_pages",
     "worker_env",
 ]
@@ -103,15 +102,6 @@ def malloc_huge_pages(tunables: str | None) -> str:
     return ":".join(parts + [f"{_HUGETLB}=1"])
 
 
-def gpu_ids() -> list[str]:
-    """The NVIDIA GPUs this process may use, without starting a JAX backend (which would take
-    GPU memory in the parent): ``CUDA_VISIBLE_DEVICES`` if set, else the driver's list."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    return [str(i) for i in range(_os.nvidia_gpu_count())]
-
-
 def _parent_x64() -> bool:
     """Whether this process enabled 64-bit types in JAX (without importing JAX)."""
     jax = sys.modules.get("jax")
@@ -135,44 +125,15 @@ def child_jax_env(base: Mapping[str, str], *, huge_pages: bool = True) -> dict[s
     return env
 
 
-def _parent_platforms() -> str | None:
-    value = os.environ.get("JAX_PLATFORMS")
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        try:
-            configured = jax.config.jax_platforms
-            if configured:
-                value = configured
-        except AttributeError:
-            pass
-    return value
-
-
-def worker_env(
-    index: int,
-    *,
-    devices_per_worker: int | None,
-    overrides: dict | None,
-    gpus: list[str] | None = None,
-) -> dict:
-    """Variables for worker ``index``: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the parent's
-    ``JAX_PLATFORMS`` (and ``JAX_ENABLE_X64=1`` when the parent enabled x64),
-    ``GLIBC_TUNABLES`` with ``glibc.malloc.hugetlb=1`` (Note [huge pages for JAX buffers]), and
-    on multi-GPU hosts a round-robin ``CUDA_VISIBLE_DEVICES`` of ``devices_per_worker`` GPUs
-    (default 1); ``overrides`` win (a value of None unsets)."""
+def worker_env(index: int, *, devices: _devices.Plan, overrides: Mapping[str, object] | None) -> dict:
+    """Variables for worker ``index``: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``,
+    ``JAX_ENABLE_X64=1`` when the parent enabled x64, ``GLIBC_TUNABLES`` with
+    ``glibc.malloc.hugetlb=1`` (Note [huge pages for JAX buffers]), then what the device plan
+    gives this worker (:func:`jaxtransport._devices.plan`: the parent's ``JAX_PLATFORMS``, the
+    accelerators it may open or ``JAX_PLATFORMS=cpu``); ``overrides`` win (a value of None
+    unsets)."""
     env: dict[str, str | None] = {**NO_PREALLOCATION, **child_jax_env({})}
-    platforms = _parent_platforms()
-    if platforms:
-        env["JAX_PLATFORMS"] = platforms
-    gpus = gpu_ids() if gpus is None else gpus
-    on_cpu_only = platforms is not None and platforms.strip().lower() == "cpu"
-    if len(gpus) > 1 and not on_cpu_only:
-        per = devices_per_worker or 1
-        if per < 1:
-            raise ValueError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[(index * per + k) % len(gpus)] for k in range(min(per, len(gpus))))
-    elif devices_per_worker is not None and devices_per_worker < 1:
-        raise ValueError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
+    env.update(devices.env(index))
     if overrides:
         env.update({str(k): (None if v is None else str(v)) for k, v in overrides.items()})
     return env

@@ -569,16 +569,17 @@ def commit(
             else:
                 from . import _codec
 
-                meta, bufs = _codec.encode(x)
+                meta, bufs = _codec.encode(x, host=False)  # off the CPU: straight into the slot
                 layout, total = [], 0
                 for b in bufs:
-                    layout.append((total, b.nbytes))
-                    total += -(-b.nbytes // ALIGN) * ALIGN
+                    n = _codec.host_nbytes(b)
+                    layout.append((total, n))
+                    total += -(-n // ALIGN) * ALIGN
                 handle, dst = arena.alloc(max(total, 1), borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
                 handle = Handle._make(handle)
                 for (off, n), b in zip(layout, bufs):
-                    np.copyto(dst[off : off + n], b.reshape(-1).view(np.uint8))
+                    _codec.copy_into(b, dst[off : off + n])
                 entry = ("jax", tuple(meta), tuple(layout), tuple(handle))
                 entries.append(entry)
                 if copied is not None:

@@ -384,12 +384,26 @@ def test_worker_jax_buffers_get_huge_pages():
 
 _GPU_ENV_CODE = """
 import json
-from jaxtransport import _procenv as _pool_env
-gpus = ["0", "1", "2", "3"]
+from jaxtransport import _devices, _procenv
+
+
+def gpus(n):
+    class Host(_devices.Gpu):  # a host with n NVIDIA GPUs
+        def host_count(self):
+            return n
+
+    return (Host(),)
+
+
+def worker_env(i, per, workers, overrides=None, n=4):
+    plan = _devices.plan(workers, devices_per_worker=per, overrides=overrides, kinds=gpus(n))
+    return _procenv.worker_env(i, devices=plan, overrides=overrides)
+
+
 out = {
-    "one_each": [_pool_env.worker_env(i, devices_per_worker=None, overrides=None, gpus=gpus).get("CUDA_VISIBLE_DEVICES") for i in range(5)],
-    "two_each": [_pool_env.worker_env(i, devices_per_worker=2, overrides=None, gpus=gpus).get("CUDA_VISIBLE_DEVICES") for i in range(3)],
-    "single": _pool_env.worker_env(0, devices_per_worker=None, overrides={"XLA_PYTHON_CLIENT_PREALLOCATE": None}, gpus=["0"]),
+    "one_each": [worker_env(i, None, 5).get("CUDA_VISIBLE_DEVICES") for i in range(5)],
+    "two_each": [worker_env(i, 2, 3).get("CUDA_VISIBLE_DEVICES") for i in range(3)],
+    "single": worker_env(0, None, 1, overrides={"XLA_PYTHON_CLIENT_PREALLOCATE": None}, n=1),
 }
 print(json.dumps(out))
 """

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _connection, _queues
 from ._methods import available_methods, check_method, default_method, set_default_method, std_context
+from ._process import DeviceEnvMixin, device_process_class
 
 if TYPE_CHECKING:
     from multiprocessing.managers import SyncManager
@@ -38,7 +39,8 @@ class JaxContext:
 
     @property
     def Process(self) -> type:
-        return self._ctx.Process  # type: ignore[attr-defined]
+        """The start method's ``Process``, started with the device plan's variables (``_process``)."""
+        return device_process_class(self._ctx.Process)  # type: ignore[attr-defined]
 
     def Queue(self, maxsize: int = 0, **kw: Any) -> _queues.Queue:
         return _queues.Queue(maxsize, ctx=self._ctx, **kw)
@@ -112,9 +114,11 @@ def get_all_start_methods() -> list[str]:
     return available_methods()
 
 
-class Process(multiprocessing.process.BaseProcess):
+class Process(DeviceEnvMixin, multiprocessing.process.BaseProcess):
     """``multiprocessing.Process`` started with this module's start method (spawn by default;
-    never fork). Subclass it or pass ``target=`` as usual."""
+    never fork), with the devices jaxtransport's device plan gives a child (on a host whose TPU
+    this process holds or may take: ``JAX_PLATFORMS=cpu``). Subclass it or pass ``target=`` as
+    usual."""
 
     _start_method = None
 

@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _lockorder, _os, _procenv, _shm, _wire
+from .. import _devices, _lockorder, _os, _procenv, _shm, _wire
 from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
 from .._nojax import first_tracer
 from .._shm import Handle
@@ -132,8 +132,8 @@ class Engine:
         self.threshold = shm_threshold
         self.placement = placement
         self.worker_env_overrides = dict(worker_env or {})
-        self.devices_per_worker = devices_per_worker
-        self.gpus = _procenv.gpu_ids()
+        # Who holds which device (raises here, at construction, when devices_per_worker cannot be met).
+        self.devices = _devices.plan(processes, devices_per_worker=devices_per_worker, overrides=worker_env)
         # Pickled anew as each worker starts, like the stock pools' initargs (Note [initargs]).
         # Note [initargs dropped]: once the pool can start no worker again (broken, terminated,
         # or joined), it lets go of the initializer and its arguments, under the lock that the
@@ -195,9 +195,8 @@ class Engine:
     # -- workers
     def worker_environ(self, index: int) -> dict:
         """The variables worker ``index`` starts with (``_procenv.worker_env``)."""
-        return _procenv.worker_env(
-            index, devices_per_worker=self.devices_per_worker, overrides=self.worker_env_overrides, gpus=self.gpus
-        )
+        self.devices.announce()
+        return _procenv.worker_env(index, devices=self.devices, overrides=self.worker_env_overrides)
 
     def start_worker(self, index: int) -> WorkerRec:
         env = self.worker_environ(index)

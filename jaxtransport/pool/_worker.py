@@ -524,8 +524,10 @@ def _pack_error(e: BaseException, note: str | None = None):
     travel), and its class, message and traceback as text for when it does not rebuild."""
     import cloudpickle
 
+    from .. import _devices
     from ._protocol import ErrorReport
 
+    e = _devices.explain(e)  # a device held by another process: the cause and the fix
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     if note:
         tb = f"{tb}({note})\n"

@@ -1,0 +1,232 @@
+"""Who holds which device (jaxtransport/_devices): the plans, on hosts faked for the test (a fake
+/dev with TPU chips, a fake NVIDIA driver), the variables each worker starts with through the
+public API, the error a worker that cannot open its device raises, and the device-to-host copy
+in pieces (Note [device to host in chunks] in _codec), exercised on the CPU.
+What runs on a real accelerator is tests/test_on_device.py (``make test-device``)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtransport as jt
+import jaxtransport.multiprocessing as jmp
+from jaxtransport import _codec, _devices, _procenv
+
+
+_hosts = itertools.count()
+
+
+def _tpu_host(tmp_path, chips: int, accel: bool = True) -> _devices.Tpu:
+    """A Tpu kind that reads a fake /dev with ``chips`` chips (as /dev/accelN, or as /dev/vfio/N
+    the way a TPU VM under gVisor shows them)."""
+    root = tmp_path / f"dev{next(_hosts)}"
+    (root / "vfio").mkdir(parents=True)
+    for i in range(chips):
+        (root / (f"accel{i}" if accel else f"vfio/{i}")).write_text("")
+    (root / "vfio" / "vfio").write_text("")  # the control node: not a chip
+
+    class FakeTpu(_devices.Tpu):
+        dev_root = str(root)
+
+    return FakeTpu()
+
+
+@pytest.fixture
+def parent_on_tpu(monkeypatch):
+    """This process as one whose JAX started the TPU backend (what _compat reads)."""
+    monkeypatch.setattr(_devices, "_initialized_platforms", lambda: {"tpu", "cpu"})
+
+
+@pytest.mark.parametrize("accel", [True, False], ids=["accel", "vfio"])
+def test_chips_are_counted_as_ray_counts_them(tmp_path, accel):
+    assert _tpu_host(tmp_path, 4, accel).host_count() == 4
+    assert _tpu_host(tmp_path / "none", 0).host_count() == 0
+
+
+def test_a_tpu_host_puts_workers_on_the_cpu_by_default(tmp_path, parent_on_tpu, caplog):
+    kind = _tpu_host(tmp_path, 1, accel=False)
+    plan = _devices.plan(4, environ={}, kinds=(kind,))
+    assert [plan.env(i)["JAX_PLATFORMS"] for i in range(4)] == ["cpu"] * 4
+    assert "TPU_VISIBLE_CHIPS" not in plan.env(0)
+    with caplog.at_level(logging.WARNING, logger="jaxtransport"):
+        plan.announce()
+        plan.announce()
+    notices = [r.getMessage() for r in caplog.records if "devices_per_worker" in r.getMessage()]
+    assert len(notices) <= 1  # once per process (an earlier test may have said it already)
+
+
+@pytest.mark.parametrize("platforms", [None, "tpu", "tpu,cpu", ""])
+def test_a_parent_that_may_take_the_tpu_keeps_workers_off_it(tmp_path, monkeypatch, platforms):
+    """Before the parent's JAX starts a backend, it may still take the chip (JAX picks the
+    accelerator by default): the workers stay off it all the same."""
+    monkeypatch.setattr(_devices, "_initialized_platforms", lambda: None)
+    env = {} if platforms is None else {"JAX_PLATFORMS": platforms}
+    plan = _devices.plan(2, environ=env, kinds=(_tpu_host(tmp_path, 1),))
+    if "jax" in os.sys.modules and jax.config.jax_platforms and not platforms:
+        pytest.skip("this process's JAX config names its platforms")
+    assert plan.env(1)["JAX_PLATFORMS"] == "cpu"
+    assert plan.notice and "devices_per_worker" in plan.notice
+
+
+def test_a_parent_on_the_cpu_passes_that_on_without_a_notice(tmp_path, monkeypatch):
+    monkeypatch.setattr(_devices, "_initialized_platforms", lambda: {"cpu"})
+    plan = _devices.plan(2, environ={"JAX_PLATFORMS": "cpu"}, kinds=(_tpu_host(tmp_path, 4),))
+    assert plan.env(0)["JAX_PLATFORMS"] == "cpu" and plan.notice is None
+
+
+def test_worker_env_wins(tmp_path, parent_on_tpu):
+    plan = _devices.plan(2, overrides={"JAX_PLATFORMS": "tpu"}, environ={}, kinds=(_tpu_host(tmp_path, 1),))
+    assert plan.notice is None
+    env = _procenv.worker_env(0, devices=plan, overrides={"JAX_PLATFORMS": "tpu"})
+    assert env["JAX_PLATFORMS"] == "tpu"
+
+
+@pytest.mark.parametrize(
+    ("chips", "parent_visible", "per", "workers", "expect"),
+    [
+        # an 8-chip host (v5e-8), the parent restricted to chip 0: workers get chips of their own
+        (8, "0", 1, 3, [("1", "1,1,1"), ("2", "1,1,1"), ("3", "1,1,1")]),
+        (8, "0,1", 2, 3, [("2,3", "1,2,1"), ("4,5", "1,2,1"), ("6,7", "1,2,1")]),
+        (8, "0", 4, 1, [("1,2,3,4", "2,2,1")]),
+        # a 4-chip host (v4-8), the parent on the CPU: every chip is free
+        (4, None, 1, 4, [("0", "1,1,1"), ("1", "1,1,1"), ("2", "1,1,1"), ("3", "1,1,1")]),
+        (4, None, 4, 1, [("0,1,2,3", None)]),  # all the host's chips: libtpu's own bounds
+    ],
+)
+def test_devices_per_worker_hands_out_chips_the_parent_does_not_hold(
+    tmp_path, monkeypatch, chips, parent_visible, per, workers, expect
+):
+    """The environment Ray's TPU manager sets per actor: TPU_VISIBLE_CHIPS with
+    TPU_CHIPS_PER_HOST_BOUNDS and TPU_HOST_BOUNDS (not run on a multi-chip host here)."""
+    if parent_visible is None:
+        environ = {"JAX_PLATFORMS": "cpu"}
+        monkeypatch.setattr(_devices, "_initialized_platforms", lambda: {"cpu"})
+    else:
+        environ = {"TPU_VISIBLE_CHIPS": parent_visible}
+        monkeypatch.setattr(_devices, "_initialized_platforms", lambda: {"tpu", "cpu"})
+    plan = _devices.plan(workers, devices_per_worker=per, environ=environ, kinds=(_tpu_host(tmp_path, chips),))
+    got = []
+    for i in range(workers):
+        env = _procenv.worker_env(i, devices=plan, overrides=None)
+        got.append((env["TPU_VISIBLE_CHIPS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]))
+        assert env["JAX_PLATFORMS"] is None  # JAX picks the chips it is given
+        assert env["TPU_HOST_BOUNDS"] == (None if per == chips else "1,1,1")
+    assert got == expect
+    held = set((parent_visible or "").split(",")) - {""}
+    handed = [set(v.split(",")) for v, _ in got]
+    assert all(not (h & held) for h in handed)
+    assert sum(len(h) for h in handed) == len(set().union(*handed))  # disjoint
+
+
+def test_devices_per_worker_refuses_chips_the_parent_holds(tmp_path, parent_on_tpu):
+    with pytest.raises(ValueError, match=r"holds 1 of them.*one process only.*Fix"):
+        _devices.plan(2, devices_per_worker=1, environ={}, kinds=(_tpu_host(tmp_path, 1),))
+    with pytest.raises(ValueError, match="1, 2 or 4 chips"):
+        _devices.plan(1, devices_per_worker=3, environ={"TPU_VISIBLE_CHIPS": "0"}, kinds=(_tpu_host(tmp_path, 8),))
+    with pytest.raises(ValueError, match="devices_per_worker must be an int >= 1"):
+        _devices.plan(1, devices_per_worker=0, environ={}, kinds=(_tpu_host(tmp_path, 8),))
+
+
+def test_pool_and_executor_refuse_at_construction(tmp_path, monkeypatch, parent_on_tpu):
+    monkeypatch.setattr(_devices, "KINDS", (_tpu_host(tmp_path, 1),))
+    monkeypatch.setattr(_devices.plan, "__kwdefaults__", {**_devices.plan.__kwdefaults__, "kinds": _devices.KINDS})
+    with pytest.raises(ValueError, match="devices_per_worker=1"):
+        jt.Pool(1, devices_per_worker=1)
+    with pytest.raises(ValueError, match="devices_per_worker=1"):
+        jt.Executor(1, devices_per_worker=1)
+
+
+def _env_of(name):
+    return os.environ.get(name)
+
+
+def _worker_view(x=None):
+    import jax as _jax
+
+    out = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"), "platform": _jax.devices()[0].platform}
+    if x is not None:
+        out["sum"] = float(x.sum())
+    return out
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_pool_workers_on_a_tpu_host_run_on_the_cpu(tmp_path, monkeypatch, parent_on_tpu, start_method, caplog):
+    """Through the public API: the Pool asks the device plan; its workers start with
+    JAX_PLATFORMS=cpu and say so once; worker_env still wins."""
+    monkeypatch.setattr(_devices.plan, "__kwdefaults__", {**_devices.plan.__kwdefaults__, "kinds": (_tpu_host(tmp_path, 1),)})
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="jaxtransport"):
+        with jt.Pool(2, start_method=start_method) as p:
+            views = p.map(_worker_view, [jnp.arange(4.0)] * 2)
+    assert all(v == {"JAX_PLATFORMS": "cpu", "platform": "cpu", "sum": 6.0} for v in views)
+    with jt.Pool(1, start_method=start_method, worker_env={"JAX_PLATFORMS": "cpu,tpu"}) as p:
+        assert p.apply(_env_of, ("JAX_PLATFORMS",)) == "cpu,tpu"
+
+
+def _child_view(q):
+    q.put(os.environ.get("JAX_PLATFORMS"))
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_multiprocessing_children_on_a_tpu_host_run_on_the_cpu(tmp_path, monkeypatch, parent_on_tpu, start_method):
+    monkeypatch.setattr(_devices.plan, "__kwdefaults__", {**_devices.plan.__kwdefaults__, "kinds": (_tpu_host(tmp_path, 1),)})
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    ctx = jmp.get_context(start_method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_view, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=60) == "cpu"
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+    assert os.environ.get("JAX_PLATFORMS") is None  # the parent's own environment is untouched
+
+
+_LOCK_TEXT = (
+    "Unable to initialize backend 'tpu': ABORTED: The TPU is already in use by process with pid 1442. "
+    "Not attempting to load libtpu.so in this process. (set JAX_PLATFORMS='' to automatically choose "
+    "an available backend)"
+)
+
+
+def test_a_busy_device_is_explained():
+    e = RuntimeError(_LOCK_TEXT)
+    out = _devices.explain(e)
+    assert isinstance(out, jt.DeviceUnavailableError) and out.__cause__ is e
+    assert "another process holds it" in str(out) and "devices_per_worker" in str(out) and "worker_env" in str(out)
+    assert "already in use by process with pid 1442" in str(out)
+    assert pickle.loads(pickle.dumps(out)).args == out.args
+    other = RuntimeError("something else")
+    assert _devices.explain(other) is other
+
+
+def _raise_busy():
+    raise RuntimeError(_LOCK_TEXT)
+
+
+def test_a_worker_that_cannot_open_its_device_says_why():
+    with jt.Pool(1) as p:
+        with pytest.raises(jt.DeviceUnavailableError, match="another process holds it"):
+            p.apply(_raise_busy)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int16"])
+@pytest.mark.parametrize("shape", [(1000, 33), (7, 3, 5), (1,), (64, 64)])
+def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape):
+    """The piecewise copy (forced here on CPU arrays, with tiny pieces): every row once, the last
+    piece overlapping its neighbour, any shape and dtype."""
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "CHUNK_BYTES", 96)
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 255, shape).astype(dtype))
+    dst = np.zeros(_codec.host_nbytes(x), np.uint8)
+    _codec.copy_into(x, dst)
+    assert dst.tobytes() == np.asarray(x).tobytes()
