@@ -44,7 +44,7 @@ PLATFORM_TESTS ?= tests/test_pool.py tests/test_executor.py tests/test_multiproc
 	tests/test_pool_never_hangs.py tests/test_pool_crash.py tests/test_pool_lifecycle.py tests/test_pool_take_back.py
 SIMULATE := PYTHONPATH=$(CURDIR)/tests/platforms$${PYTHONPATH:+:$$PYTHONPATH}
 
-.PHONY: venv demo test test-slow bench clean test-newest test-floor venv-newest venv-floor lint docs test-platforms
+.PHONY: venv demo test test-slow test-device bench clean test-newest test-floor venv-newest venv-floor lint docs test-platforms
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow
+
+# `make test-device`: the tests marked device (tests/test_on_device.py), this process on whatever
+# accelerator JAX finds (a TPU chip, a GPU); without one they skip, as in CI. On a machine whose
+# Python already has JAX for its accelerator and no network: `make test-device DEVICE_PY=python3`
+# (then nothing is installed; jaxtransport runs from this tree).
+DEVICE_PY ?= $(PY)
+test-device: $(if $(filter $(PY),$(DEVICE_PY)),$(STAMP))
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(DEVICE_PY) -m pytest -q -ra -m device -p no:cacheprovider tests/test_on_device.py
 
 test-platforms: $(STAMP)
 	JAXTRANSPORT_SIMULATE=macos $(SIMULATE) $(PY) -m pytest -q -ra -m "not slow" -p no:cacheprovider $(PLATFORM_TESTS)

@@ -313,9 +313,20 @@ def shard_map(f, **kwargs):
     return fn(f, **kwargs)
 
 
+def _accelerator() -> str | None:
+    """The platform of the accelerator JAX finds in this process, None when it finds none."""
+    import jax
+
+    platform = jax.default_backend()
+    return None if platform == "cpu" else platform
+
+
 def pytest_runtest_setup(item):
-    """Tests marked ``shm`` check the shared-memory mechanism itself: where arrays travel in-band
+    """Tests marked ``device`` need an accelerator in this process (``make test-device``): they
+    are skipped where JAX finds none, as in CI. Tests marked ``shm`` check the shared-memory mechanism itself: where arrays travel in-band
     (Note [platforms] in jaxtransport/_os) there is none, and they are skipped."""
+    if item.get_closest_marker("device") is not None and _accelerator() is None:
+        pytest.skip("no accelerator here: make test-device runs these on one (a TPU or GPU host)")
     if item.get_closest_marker("shm") is not None:
         from jaxtransport import _os
 

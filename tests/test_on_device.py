@@ -1,0 +1,279 @@
+"""On an accelerator (``make test-device``): this process holds the device JAX finds (a TPU
+chip, a GPU); every face of jaxtransport moves its arrays, both ways, and the processes that
+jaxtransport starts keep off the device by default (jaxtransport/_devices). Without an
+accelerator every test here is skipped (conftest: the ``device`` marker), as in CI.
+
+Arrays are made with ``jax.device_put`` of host data, not ``jnp.asarray``: on a TPU v5e some
+operations do not compile for some narrow dtypes (a reshape of an int2 vector is refused, and a
+jnp.asarray of int2 once aborted the whole interpreter), and what is under test is the
+transport, whose decode only ever puts buffers on a device."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtransport as jt
+import jaxtransport.multiprocessing as jmp
+
+from .conftest import dtype_missing
+
+pytestmark = pytest.mark.device
+
+MiB = 1 << 20
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32",
+          "complex64", "int4", "uint4", "int2", "uint2", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
+          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e3m4", "float8_e8m0fnu", "float4_e2m1fn"]
+
+
+def _np_dtype(name):
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def _bits(dtype, shape, seed=0):
+    dt = _np_dtype(dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    a = raw.view(dt).reshape(shape) if dt.itemsize > 0 else raw
+    if dt.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "bool"):
+        a = np.zeros(shape, dt)  # (values outside the narrow type's range do not round-trip anywhere)
+        a.reshape(-1)[::3] = np.ones((), dt)
+    return a
+
+
+def _sha(a):
+    import hashlib
+
+    return hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+
+
+def _same_bytes(a, b):
+    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _platform(x):
+    return next(iter(x.devices())).platform
+
+
+@pytest.fixture(scope="module")
+def device():
+    d = jax.devices()[0]
+    assert d.platform != "cpu"
+    return d
+
+
+# -- the codec
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("placement", ["device", "host", "preserve"])
+def test_every_dtype_round_trips_bit_exact(device, dtype, placement):
+    why = dtype_missing(dtype)
+    if why:
+        pytest.skip(why)
+    a = _bits(dtype, (8, 16))
+    x = jax.device_put(a, device)
+    y = jt.loads(*jt.dumps(x), placement=placement)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert _same_bytes(y, a)
+    if placement == "host":
+        assert isinstance(y, np.ndarray)
+    else:
+        assert _platform(y) == device.platform
+
+
+def test_weak_types_and_prng_keys(device):
+    w = jax.device_put(jnp.asarray(2.5), device)
+    assert w.weak_type
+    w2 = jt.loads(*jt.dumps(w))
+    assert w2.weak_type and float(w2) == 2.5 and _platform(w2) == device.platform
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+        k = jax.device_put(jax.random.split(jax.random.key(7, impl=impl), 4), device)
+        k2 = jt.loads(*jt.dumps(k))
+        assert _platform(k2) == device.platform
+        assert _same_bytes(jax.random.key_data(k2), jax.random.key_data(k))
+        # the same key draws the same numbers on the same device
+        assert _same_bytes(jax.random.normal(k2[1], (5,)), jax.random.normal(k[1], (5,)))
+    raw = jax.device_put(jax.random.PRNGKey(3), device)
+    assert _same_bytes(jt.loads(*jt.dumps(raw)), raw)
+
+
+def test_shardings_and_memory_kinds(device):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    a = _bits("float32", (64, 32))
+    mesh = Mesh(np.array([device]), ("d",))
+    shardings = [SingleDeviceSharding(device), NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())]
+    kinds = {str(getattr(m, "kind", m)) for m in device.addressable_memories()} if hasattr(device, "addressable_memories") else set()
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            shardings.append(NamedSharding(mesh, PartitionSpec(), memory_kind=kind))
+    for s in shardings:
+        x = jax.device_put(a, s)
+        y = jt.loads(*jt.dumps(x), placement="preserve")
+        assert _same_bytes(y, a)
+        assert y.sharding == x.sharding, (x.sharding, y.sharding)
+        assert jt.loads(*jt.dumps(x)).sharding.memory_kind in (None, device.default_memory().kind)
+
+
+def test_large_arrays_cross_in_pieces_bit_exact(device):
+    """Shared memory (the Pool's arguments, queues) takes a large array in pieces straight from
+    the device (Note [device to host in chunks]): rows not a multiple of a piece, 1-row arrays,
+    a 3-D array, bf16."""
+    from jaxtransport import _codec
+
+    for shape, dtype in [((4099, 4096), "float32"), ((1, 40 * MiB // 4), "float32"), ((3, 2051, 4096), "bfloat16")]:
+        a = _bits(dtype, shape, seed=1)
+        x = jax.device_put(a, device)
+        dst = np.empty(_codec.host_nbytes(x), np.uint8)
+        _codec.copy_into(x, dst)
+        assert dst.tobytes() == a.tobytes()
+
+
+def test_tracers_fail_fast(device, pool):
+    x = jax.device_put(jnp.ones(3), device)
+    with pytest.raises(jt.TracerTransportError):
+        jax.jit(lambda v: jt.dumps(v))(x)
+    with pytest.raises(jt.TracerTransportError):
+        jax.jit(lambda v: pool.apply(np.sum, (v,)))(x)
+
+
+# -- processes: the defaults on an accelerator host
+
+
+def _where(x=None):
+    import jax as _jax
+
+    out = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"), "platform": _jax.devices()[0].platform}
+    if x is not None:
+        out["sha"] = _sha(x)
+        out["platform_of_x"] = next(iter(x.devices())).platform
+    return out
+
+
+def _produce(n, seed):
+    import jax as _jax
+
+    return _jax.random.uniform(_jax.random.key(seed), (n,))
+
+
+@pytest.fixture
+def pool():
+    with jt.Pool(2) as p:
+        yield p
+
+
+def test_pool_workers_run_on_the_cpu_and_say_so(device, caplog, monkeypatch):
+    from jaxtransport import _devices
+
+    monkeypatch.setattr(_devices, "_noticed", set())  # (said once per process: maybe already)
+    with caplog.at_level(logging.WARNING, logger="jaxtransport"):
+        with jt.Pool(1) as p:
+            view = p.apply(_where)
+    assert view == {"JAX_PLATFORMS": "cpu", "platform": "cpu"}
+    said = [r.getMessage() for r in caplog.records if r.name == "jaxtransport"]
+    assert len(said) == 1 and "JAX_PLATFORMS=cpu" in said[0] and "devices_per_worker" in said[0], said
+
+
+def test_pool_arguments_and_results_both_ways(device, pool):
+    for n in (1000, 64 * MiB // 4 + 3):  # inline, and shared memory in pieces
+        a = _bits("float32", (n,), seed=n)
+        x = jax.device_put(a, device)
+        views = pool.map(_where, [x, x])
+        assert all(v["sha"] == _sha(a) and v["platform_of_x"] == "cpu" for v in views)
+    out = pool.starmap(_produce, [(16 * MiB, 1), (10, 2)])
+    with jax.default_device(jax.devices("cpu")[0]):  # made where the workers make it
+        ref = [np.asarray(_produce(n, s)) for n, s in [(16 * MiB, 1), (10, 2)]]
+    for got, want in zip(out, ref):
+        assert _platform(got) == device.platform and _same_bytes(got, want)
+
+
+def test_executor_both_ways(device):
+    with jt.Executor(2) as ex:
+        x = jax.device_put(_bits("bfloat16", (2048, 4096), seed=3), device)
+        assert ex.submit(_where, x).result(120)["platform_of_x"] == "cpu"
+        y = ex.submit(_produce, 1 << 20, 5).result(120)
+        assert _platform(y) == device.platform
+
+
+def _echo_child(qin, qout):
+    x = qin.get(timeout=120)
+    qout.put((_where(x), x))
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_queues_both_ways(device, start_method):
+    ctx = jmp.get_context(start_method)
+    qin, qout = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_echo_child, args=(qin, qout))
+    p.start()
+    try:
+        a = _bits("float32", (48 * MiB // 4,), seed=4)
+        qin.put(jax.device_put(a, device))
+        view, back = qout.get(timeout=180)
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    assert view["JAX_PLATFORMS"] == "cpu" and view["platform_of_x"] == "cpu"
+    assert _platform(back) == device.platform and _same_bytes(back, a)
+
+
+def test_joblib_backend_and_memory(device, tmp_path):
+    joblib = pytest.importorskip("joblib")
+    import jaxtransport.joblib as jtj
+
+    jtj.register()
+    x = jax.device_put(_bits("float32", (1 << 20,), seed=5), device)
+    with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
+        views = joblib.Parallel()(joblib.delayed(_where)(x) for _ in range(2))
+        made = joblib.Parallel()(joblib.delayed(_produce)(1 << 18, s) for s in range(2))
+    assert all(v["platform_of_x"] == "cpu" for v in views)
+    assert all(_platform(m) == device.platform for m in made)
+    mem = jtj.Memory(tmp_path, verbose=0)
+    calls = []
+
+    def double(v):
+        calls.append(1)
+        return v * 2
+
+    cached = mem.cache(double)
+    first, again = cached(x), cached(x)
+    assert len(calls) == 1 and _same_bytes(first, again) and _platform(again) == device.platform
+
+
+def test_a_worker_sent_to_the_held_device_says_why(device):
+    """worker_env wins: a worker told to use the accelerator the parent holds fails with the
+    cause and the fix, and the pool cleans up."""
+    with jt.Pool(1, worker_env={"JAX_PLATFORMS": device.platform}) as p:
+        with pytest.raises(jt.DeviceUnavailableError, match="another process holds it"):
+            p.apply(_where)
+
+
+def test_devices_per_worker_never_hands_out_the_parents_chips(device):
+    from jaxtransport import _devices
+
+    kinds = [k for k in _devices.KINDS if device.platform in k.platforms and k.exclusive]
+    if not kinds:
+        pytest.skip(f"{device.platform} devices can be shared between processes")
+    held = len(kinds[0].host_ids(os.environ))
+    with pytest.raises(ValueError, match="one process only"):
+        jt.Pool(1, devices_per_worker=held + kinds[0].host_count())
+
+
+# -- the demo end to end
+
+
+def test_the_demo_learns_on_the_device_with_actors_on_the_cpu(device):
+    from jaxtransport import rollouts
+
+    cfg = rollouts.Config(workers=2, envs=8, steps=32, frame_size=32, param_mb=2, iterations=3, seed=0)
+    runs = [rollouts.train(cfg, t, out=io.StringIO(), err=io.StringIO()) for t in ("jaxtransport", "stock")]
+    assert runs[0].params_sha256 == runs[1].params_sha256  # identical learning, both transports
+    assert runs[0].returns == runs[1].returns
