@@ -141,3 +141,10 @@ bench: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) $(FLOOR_VENV) build *.egg-info docs/_build
+
+# The release check (.ci/release-check, the last step of .ci/run): build the sdist and the wheel
+# (python -m build), check what they carry, install the wheel into a clean virtualenv outside the
+# repository and run a smoke script there. Its virtualenvs live in a temporary folder, not .venv.
+.PHONY: release-check
+release-check:
+	PYTHON=$(PYTHON) .ci/release-check

@@ -7,9 +7,11 @@ transport=jaxtransport.Pool, size_bytes=1 GiB`` of ``pool.json``), or a value de
 figures (:class:`Derived`). Pages never type a measured number; they hold one of two things:
 
 - a **generated table** between ``<!-- figures:TABLE begin -->`` and ``<!-- figures:TABLE end -->``
-  (:data:`TABLES`: the README's figure table is ``readme``): each row names its figures, and the
-  last column says which results file, measured when, in how many runs and with what spread;
-  under the table, each results file's machine and conditions;
+  (:data:`TABLES`): each row names its figures, and the last column says which results file,
+  measured when, in how many runs and with what spread; under the table, each results file's
+  machine and conditions. The README's table (``readme``) leaves that provenance out: each of
+  its rows links (:data:`LINKED`) to its own section of docs/benchmarks.md (``headline``, one
+  heading per row, :data:`SECTIONS`), which gives it in full;
 - an **inline figure** ``<!--fig KEY-->51x (pool, 2026-12-03)<!--/fig-->``: the text between the
   markers is the figure's value with its results file and date; the comments are not rendered.
 
@@ -532,12 +534,20 @@ def inline_text(key: str, results: str = RESULTS) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One table row; each cell is text with ``{figure key}`` placeholders."""
+    """One table row; each cell is text with ``{figure key}`` placeholders. ``title``: the heading
+    of the row's section where a table's rows link to their provenance (:data:`LINKED`)."""
 
     question: str
     stock: str
     jaxtransport: str
     speedup: str
+    title: str = ""
+
+
+def slug(title: str) -> str:
+    """The anchor of a heading, as GitHub and MyST (``myst_heading_anchors``, its GitHub-style
+    slugs) both make it: lower case, each space a hyphen, other punctuation dropped."""
+    return re.sub(r"[^\w\- ]", "", title.lower().replace(" ", "-"))
 
 
 _PLACEHOLDER = re.compile(r"\{([a-z0-9_.]+)\}")
@@ -606,15 +616,63 @@ HEADERS = {
 }
 
 
+#: Tables shown without their provenance: each row's question links to the heading (its title's
+#: slug) of its section in the page named here, where the block named here gives its results file,
+#: date, runs, spread and machine. The README's rows link to docs/benchmarks.md.
+LINKED = {"readme": ("docs/benchmarks.md", "headline")}
+#: Blocks rendered as one section per row (a heading, the figures, their provenance), not a table.
+SECTIONS = {"headline"}
+
+
+def _cells(name: str, row: Row, results: str, used: list[str]) -> list[str]:
+    cells = [_fill(c, results, used) for c in (row.question, row.stock, row.jaxtransport, row.speedup)]
+    left = [m.group(0) for c in cells for m in re.finditer(r"\{[^{}]*\}", c)]
+    if left:  # a placeholder whose key is not [a-z0-9_.]+ would be printed as it is
+        raise FigureError(f"table {name!r}: placeholders not filled: {left} (keys are [a-z0-9_.]+)")
+    return cells
+
+
+def _files_of(used: list[str]) -> list[str]:
+    return list(dict.fromkeys(f for key in used for f in FIGURES[key].files()))
+
+
+def render_sections(name: str, results: str = RESULTS) -> str:
+    """One section per row: its title as a heading (the anchor a linked table points to), the
+    question, the figures, and where they come from: results file, date, runs and spread of each
+    figure, and each results file's machine and conditions."""
+    out: list[str] = []
+    for row in TABLES[name]:
+        if not row.title:
+            raise FigureError(f"table {name!r}: a row without a title: {row.question!r}")
+        used: list[str] = []
+        question, stock, jt, speedup = _cells(name, row, results, used)
+        out += [f"### {row.title}", "", question, "", f"- stock: {stock or 'none'}", f"- jaxtransport: {jt}"]
+        if speedup:
+            out.append(f"- speedup: {speedup}")
+        out.append(f"- results file, date, and runs and spread of each figure in order: {_source_cell(used, results)}")
+        out += [f"- machine of {_environment_line(f, results)[2:]}" for f in _files_of(used)]
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def render_table(name: str, results: str = RESULTS) -> str:
+    if name in SECTIONS:
+        return render_sections(name, results)
+    linked = LINKED.get(name)
+    if linked:
+        lines = ["| question | stock | jaxtransport | speedup |", "|---|---|---|---|"]
+        for row in TABLES[name]:
+            if not row.title:
+                raise FigureError(f"table {name!r}: a row without a title (its section's heading): {row.question!r}")
+            cells = _cells(name, row, results, [])
+            cells[0] = f"[{cells[0]}]({linked[0]}#{slug(row.title)})"
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
     lines = [HEADERS.get(name, HEADER), "|---|---|---|---|---|"]
     files: list[str] = []
     for row in TABLES[name]:
         used: list[str] = []
-        cells = [_fill(c, results, used) for c in (row.question, row.stock, row.jaxtransport, row.speedup)]
-        left = [m.group(0) for c in cells for m in re.finditer(r"\{[^{}]*\}", c)]
-        if left:  # a placeholder whose key is not [a-z0-9_.]+ would be printed as it is
-            raise FigureError(f"table {name!r}: placeholders not filled: {left} (keys are [a-z0-9_.]+)")
+        cells = _cells(name, row, results, used)
         source = _source_cell(used, results)
         for key in used:
             files.extend(f for f in FIGURES[key].files() if f not in files)
@@ -627,30 +685,32 @@ def render_table(name: str, results: str = RESULTS) -> str:
 
 README_ROWS = [
     Row("`dumps`+`loads`, 1 GiB, plus one copy into warm receive memory",
-        "{codec.1g.jax.s} (JAX's pickle)", "{codec.1g.jt.s} (memcpy: {codec.1g.memcpy.s})", "{codec.1g.ratio}"),
+        "{codec.1g.jax.s} (JAX's pickle)", "{codec.1g.jt.s} (memcpy: {codec.1g.memcpy.s})", "{codec.1g.ratio}",
+        "Codec, 1 GiB"),
     Row("Pool, steady state: 64 MiB jax.Array argument / result",
         "{pool.arg.64m.mp.s} / {pool.res.64m.mp.s} (`multiprocessing.Pool`)",
         "{pool.arg.64m.jt.s} / {pool.res.64m.jt.s} ({pool.arg.64m.memcpy} / {pool.res.64m.memcpy} a warm memcpy)",
-        "{pool.arg.64m.ratio} / {pool.res.64m.ratio}"),
+        "{pool.arg.64m.ratio} / {pool.res.64m.ratio}", "Pool, 64 MiB"),
     Row("Pool, steady state: 1 GiB jax.Array argument / result",
         "{pool.arg.1g.mp.s} / {pool.res.1g.mp.s} (`multiprocessing.Pool`)",
         "{pool.arg.1g.jt.s} / {pool.res.1g.jt.s} ({pool.arg.1g.memcpy} / {pool.res.1g.memcpy} a warm memcpy)",
-        "{pool.arg.1g.ratio} / {pool.res.1g.ratio}"),
+        "{pool.arg.1g.ratio} / {pool.res.1g.ratio}", "Pool, 1 GiB"),
     Row("Tiny tasks sent one by one, 2 workers, per task: `Pool.apply_async` / `Executor.submit`",
         "{tasks.apply.0.2.mp.us} (`multiprocessing.Pool`) / {tasks.submit.0.2.mp.us} (`concurrent.futures`)",
-        "{tasks.apply.0.2.jt.us} / {tasks.submit.0.2.jt.us}", "{tasks.apply.0.2.ratio} / {tasks.submit.0.2.ratio}"),
+        "{tasks.apply.0.2.jt.us} / {tasks.submit.0.2.jt.us}", "{tasks.apply.0.2.ratio} / {tasks.submit.0.2.ratio}",
+        "Tiny tasks"),
     Row("Pool start-up to the first result, task importing JAX", "{startup.startup_jax.mp.s}",
-        "{startup.startup_jax.jt.s}", "{startup.startup_jax.jt.slower} the time (slower)"),
+        "{startup.startup_jax.jt.s}", "{startup.startup_jax.jt.slower} the time (slower)", "Pool start-up"),
     Row("`jaxtransport.multiprocessing.Queue`, steady state: 64 MiB / 1 GiB jax.Array",
         "{queue.64m.mp.s} / {queue.1g.mp.s} (`multiprocessing.Queue`)", "{queue.64m.jt.s} / {queue.1g.jt.s}",
-        "{queue.64m.ratio} / {queue.1g.ratio}"),
+        "{queue.64m.ratio} / {queue.1g.ratio}", "Queue, 64 MiB and 1 GiB"),
     Row("Ray, steady state: 1 GiB task argument / result", "{ray.argument.1g.stock.s} / {ray.result.1g.stock.s} "
         "(Ray default)", "{ray.argument.1g.jt.s} / {ray.result.1g.jt.s}",
-        "{ray.argument.1g.ratio} / {ray.result.1g.ratio}"),
+        "{ray.argument.1g.ratio} / {ray.result.1g.ratio}", "Ray, 1 GiB"),
     Row("Rollouts, Pool, 2 workers, default sizes", "{rollouts.pool.stock.steps}", "{rollouts.pool.jt.steps}",
-        "{rollouts.pool.ratio}"),
+        "{rollouts.pool.ratio}", "Rollouts on the Pool"),
     Row("Rollouts, Ray, 2 workers, default sizes", "{rollouts.ray.stock.steps}", "{rollouts.ray.jt.steps}",
-        "{rollouts.ray.ratio}"),
+        "{rollouts.ray.ratio}", "Rollouts on Ray"),
 ]
 
 BENCHMARKS_ROWS = [
@@ -823,7 +883,8 @@ REMEASURE_ROWS = [
         "{atari.2.threads.steps} / {atari.2.queue_jt.steps}", "higher for every design: a quiet machine"),
 ]
 
-TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "benchmarks": BENCHMARKS_ROWS, "remeasure": REMEASURE_ROWS}
+TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "headline": README_ROWS, "benchmarks": BENCHMARKS_ROWS,
+                                "remeasure": REMEASURE_ROWS}
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ fence: ``<!-- not run: it joins an existing Ray cluster -->`` (an HTML comment: 
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Any
@@ -26,7 +27,8 @@ sys.path.insert(0, ROOT)  # the checkout's jaxtransport, installed or not
 project = "jaxtransport"
 author = "jaxtransport contributors"
 copyright = "2026, jaxtransport contributors"
-release = version = "0.1.0"
+# The version lives in jaxtransport/__init__.py only (importing jaxtransport imports no JAX).
+release = version = importlib.import_module("jaxtransport").__version__
 
 extensions = [
     "myst_parser",

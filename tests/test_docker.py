@@ -74,7 +74,7 @@ def test_dockerfile_installs_the_package_and_runs_the_demo(dockerfile):
     # The files a COPY names survive the Dockerfile's .dockerignore (context: the repo root).
     with open(os.path.join(DOCKER, dockerfile + ".dockerignore")) as f:
         ignore = f.read().split()
-    for path in ("pyproject.toml", "README.md", "jaxtransport/"):
+    for path in ("pyproject.toml", "README.md", "LICENSE", "jaxtransport/"):
         assert f"!{path}" in ignore, path
         assert os.path.exists(os.path.join(ROOT, path))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import types
 
@@ -40,14 +41,50 @@ def test_page_quotes_no_figure_without_a_source(page):
     )
 
 
-def test_the_readme_table_is_generated_and_every_row_says_runs_and_spread():
+def _block(text: str, name: str) -> str:
+    return text.split(f"<!-- figures:{name} begin -->", 1)[1].split(f"<!-- figures:{name} end -->", 1)[0]
+
+
+def _sections(markdown: str) -> dict[str, str]:
+    """``{anchor: text up to the next heading}`` for every heading of a page, anchors as GitHub
+    and MyST make them."""
+    parts = re.split(r"^(#{1,6} .*)$", markdown, flags=re.M)
+    return {figures.slug(h.lstrip("#").strip()): body for h, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_the_readme_table_is_short_and_links_every_row_to_its_provenance():
+    """The README's table has four columns; each row's question links to a heading of
+    docs/benchmarks.md whose section gives the row's results file, date, runs, spread and machine."""
+    page, block_name = figures.LINKED["readme"]
+    assert figures.TABLES[block_name] is figures.TABLES["readme"]
     readme = open(os.path.join(ROOT, "README.md")).read()
-    block = readme.split("<!-- figures:readme begin -->", 1)[1].split("<!-- figures:readme end -->", 1)[0]
-    rows = [line for line in block.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    block = _block(readme, "readme")
+    lines = [line for line in block.splitlines() if line.startswith("|")]
+    assert lines[0] == "| question | stock | jaxtransport | speedup |"
+    rows = lines[2:]
     assert len(rows) == len(figures.README_ROWS)
-    for line in rows:
-        source = line.rstrip(" |").rsplit(" | ", 1)[1]
-        assert ".json`, 20" in source and ("run" in source), line
+    assert "Machines and conditions" not in block and ".json`" not in block
+    target = open(os.path.join(ROOT, page)).read()
+    sections = _sections(target)
+    headline = _block(target, block_name)
+    for line, row in zip(rows, figures.README_ROWS):
+        assert line.count(" | ") == 3, line
+        link = re.match(r"\| \[.*\]\(" + re.escape(page) + r"#([a-z0-9_-]+)\) \|", line)
+        assert link, f"a README row without a link to its provenance on {page}: {line}"
+        anchor = link.group(1)
+        assert anchor == figures.slug(row.title) and anchor in sections, (anchor, sorted(sections))
+        assert f"### {row.title}\n" in headline
+        source = sections[anchor]
+        assert ".json`, 20" in source and "run" in source and "machine of `" in source, source
+
+
+def test_the_anchors_are_the_ones_myst_makes():
+    """docs/conf.py sets myst_heading_anchors = 3 and no slug function: MyST's GitHub-style slugs."""
+    slugs = pytest.importorskip("myst_parser.slugs")
+    for row in figures.README_ROWS:
+        assert figures.slug(row.title) == slugs.github_slugify(row.title), row.title
+    conf = open(os.path.join(ROOT, "docs", "conf.py")).read()
+    assert "myst_heading_anchors = 3" in conf and "myst_heading_slug_func" not in conf
 
 
 def test_a_changed_result_makes_the_pages_stale(tmp_path):
