@@ -231,9 +231,12 @@ def test_joblib_backend_and_memory(device, tmp_path):
 
     jtj.register()
     x = jax.device_put(_bits("float32", (1 << 20,), seed=5), device)
-    with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
-        views = joblib.Parallel()(joblib.delayed(_where)(x) for _ in range(2))
-        made = joblib.Parallel()(joblib.delayed(_produce)(1 << 18, s) for s in range(2))
+    try:
+        with joblib.parallel_config(backend="jaxtransport", n_jobs=2):
+            views = joblib.Parallel()(joblib.delayed(_where)(x) for _ in range(2))
+            made = joblib.Parallel()(joblib.delayed(_produce)(1 << 18, s) for s in range(2))
+    finally:
+        jtj.shutdown()  # the backend keeps its warm pool between calls
     assert all(v["platform_of_x"] == "cpu" for v in views)
     assert all(_platform(m) == device.platform for m in made)
     mem = jtj.Memory(tmp_path, verbose=0)
