@@ -63,9 +63,13 @@ MIB = 1 << 20
 #: a missing ``device.json`` is not an error (``--replot``, :mod:`benchmarks.figures`).
 NEEDS_ACCELERATOR = True
 RUNS = 5
-#: Seconds each child may take (the whole benchmark must stay under 4 minutes on a TPU v5e).
-TRANSFERS_TIMEOUT = 200.0
-ROLLOUTS_TIMEOUT = 200.0
+#: Seconds the whole benchmark may take (it must stay under 4 minutes on a TPU v5e), and each
+#: child at most: the rollouts child gets what the transfers left, and is not started with less
+#: than MIN_ROLLOUTS_S.
+BUDGET = 225.0
+TRANSFERS_TIMEOUT = 180.0
+ROLLOUTS_TIMEOUT = 150.0
+MIN_ROLLOUTS_S = 60.0
 MARK = "@@device-json "  # the line of a probe's stdout that holds its result
 
 D2H, H2D = ("D2H", "np.asarray"), ("H2D", "jax.device_put")
@@ -433,6 +437,7 @@ def probe_rollouts(iterations: int, workers: int = 2, allow_cpu: bool = False) -
         for transport in ("stock", "jaxtransport"):
             cfg = demo.Config(backend="pool", workers=workers, iterations=iterations, warmup=min(2, iterations - 1))
             t0 = time.perf_counter()
+            print(f"rollouts: {transport}, {iterations} iterations, {workers} workers ...", file=sys.stderr, flush=True)
             res = demo.train(cfg, transport, out=io.StringIO(), err=io.StringIO())
             timed = res.timed
             wall = [it.wall_s for it in timed]
@@ -444,6 +449,8 @@ def probe_rollouts(iterations: int, workers: int = 2, allow_cpu: bool = False) -
                 "transport_s": statistics.median(it.transport_s for it in timed),
                 "param_mb": cfg.param_mb,
             }
+            print(f"rollouts: {transport} {out[transport]['env_steps_per_s']:,.0f} env steps/s "
+                  f"({out[transport]['total_s']:.0f} s with start-up)", file=sys.stderr, flush=True)
     return {"environment": env, "runs": out}
 
 
@@ -456,7 +463,10 @@ def rollouts_rows(quick: bool = False, *, allow_cpu: bool = False, iterations: i
     A child that fails leaves one row with the error."""
     iterations = iterations or (6 if quick else 12)
     args = ["--iterations", str(iterations), "--workers", str(workers)] + (["--allow-cpu"] if allow_cpu else [])
-    res = _probe("rollouts", args, timeout)
+    if _jax_holds_accelerator():
+        res = _in_process("rollouts", probe_rollouts, iterations, workers, allow_cpu)
+    else:
+        res = _probe("rollouts", args, timeout)
     if res.get("skipped"):
         return []
     if "error" in res:
@@ -567,24 +577,40 @@ def _jax_holds_accelerator() -> str | None:
 LAST: dict = {}  # the last run's environment and skip reason (for main and the tests)
 
 
+def _in_process(kind: str, fn, *args) -> dict:
+    """A probe run here, when this process already holds the device (see :func:`run`)."""
+    print(f"# {kind}: in this process (it already holds the device)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        res = fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        return {"error": f"the {kind} probe failed: {_error_text(exc)}"}
+    res["probe_seconds"] = time.perf_counter() - t0
+    res.setdefault("environment", {})["probe"] = "in-process: the process that ran it already held the device"
+    return res
+
+
 def run(quick: bool = False, *, allow_cpu: bool = False, size_mib: float | None = None, runs: int = RUNS,
-        rollouts: bool = False, timeout: float = TRANSFERS_TIMEOUT) -> list[dict]:
-    """Every transfer row (and with ``rollouts`` the demo's rows), each measured in a child
-    process; no rows (and a "skipped: no accelerator" line) without an accelerator unless
-    ``allow_cpu``."""
+        rollouts: bool = False, budget: float = BUDGET) -> list[dict]:
+    """Every transfer row (and with ``rollouts`` the demo's rows), each part measured in a child
+    process of its own, within ``budget`` seconds in all (each child's timeout: what is left);
+    no rows (and a "skipped: no accelerator" line) without an accelerator unless ``allow_cpu``.
+
+    When this process already holds an accelerator (``python -m benchmarks`` started JAX on it
+    before this benchmark), no child could open it: the parts run here instead."""
     LAST.clear()
+    start = time.perf_counter()
     size = int((size_mib or (64 if quick else 256)) * MIB)
     size -= size % 4
     if not allow_cpu and os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return _skipped("JAX_PLATFORMS=cpu in this environment")
     held = _jax_holds_accelerator()
     if held:
-        why = (f"this process already holds the {held} device (JAX opened it here: run "
-               "`python -m benchmarks.device` on its own, not after other benchmarks)")
-        print(f"!! device: {why}", file=sys.stderr, flush=True)
-        return [_row(q, size, t, error=why) for q, t, _ in QUESTIONS]
-    args = ["--size-mib", repr(size / MIB), "--runs", str(runs)] + (["--allow-cpu"] if allow_cpu else [])
-    res = _probe("transfers", args, timeout)
+        res = _in_process("transfers", probe_transfers, size, runs, allow_cpu)
+    else:
+        args = ["--size-mib", repr(size / MIB), "--runs", str(runs)] + (["--allow-cpu"] if allow_cpu else [])
+        res = _probe("transfers", args, min(TRANSFERS_TIMEOUT, budget))
     LAST["environment"] = res.get("environment") or {}
     if res.get("skipped"):
         return _skipped(res["skipped"])
@@ -593,7 +619,14 @@ def run(quick: bool = False, *, allow_cpu: bool = False, size_mib: float | None 
         return [_row("transfers", size, "probe", error=res["error"])]
     rows = res["rows"]
     if rollouts:
-        rows += rollouts_rows(quick, allow_cpu=allow_cpu)
+        left = budget - (time.perf_counter() - start)
+        if left < MIN_ROLLOUTS_S:
+            why = (f"not run: {left:.0f} s left of the {budget:.0f} s budget after the transfer rows "
+                   f"(it needs {MIN_ROLLOUTS_S:.0f} s)")
+            print(f"!! device: rollouts {why}", file=sys.stderr, flush=True)
+            rows.append(_row("rollouts", 0, "jaxtransport", error=why))
+        else:
+            rows += rollouts_rows(quick, allow_cpu=allow_cpu, timeout=min(ROLLOUTS_TIMEOUT, left))
     return rows
 
 

@@ -128,7 +128,8 @@ def test_without_device_json_the_table_says_not_measured_yet(tmp_path):
 def test_a_row_the_run_failed_to_measure_says_so(tmp_path):
     results = _results(tmp_path, _synthetic_rows(failed=("Queue", "jaxtransport.multiprocessing.Queue")))
     table = figures.render_table("device", results)
-    assert "| `jaxtransport.multiprocessing.Queue`: put of a device array, the child's get and ack | not measured: " in table
+    row = "| `jaxtransport.multiprocessing.Queue`: put of a device array, the child's get and ack | not measured: "
+    assert row in table
     with pytest.raises(figures.RowFailed, match="boom"):
         figures.FIGURES["device.queue.jt.s"].value(results)
     lines = device.check_targets(json.loads(open(os.path.join(results, "device.json")).read())["rows"])
@@ -155,3 +156,15 @@ def test_rollouts_rows_from_the_probe_output(monkeypatch):
     assert any(line.startswith("PASS rollouts: 4,000 env steps/s = 4.00x stock") for line in device.check_targets(rows))
     monkeypatch.setattr(device, "_probe", lambda kind, args, timeout: {"error": "the rollouts probe timed out"})
     assert device.rollouts_rows(True)[0]["error"] == "the rollouts probe timed out"
+
+
+def test_a_process_that_already_holds_the_device_measures_in_process(monkeypatch):
+    """``python -m benchmarks`` may have started JAX on the accelerator before this benchmark:
+    no child could open it then, so the probes run in this process."""
+    monkeypatch.setattr(device, "_jax_holds_accelerator", lambda: "tpu")
+    monkeypatch.setattr(device, "_probe", lambda *a: pytest.fail("a child cannot open a held device"))
+    monkeypatch.setattr(device, "probe_transfers", lambda size, runs, allow_cpu: {
+        "environment": {"jax": "x"}, "rows": _synthetic_rows()})
+    rows = device.run(quick=True)
+    assert len(rows) == len(EVERY_ROW)
+    assert device.environment_info()["probe"].startswith("in-process")
