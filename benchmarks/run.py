@@ -245,14 +245,14 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
 
     Legends use ``LABELS`` (transport -> explanation). Returns whether a figure was written;
     it measures nothing (``--replot`` redraws published results as they were)."""
+    groups = plot_series(module, rows)
+    if not groups:  # nothing to draw: matplotlib is not needed (a machine may lack it)
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = plot_series(module, rows)
-    if not groups:
-        return False
     yk = getattr(module, "PLOT_Y", "seconds")
     limits = tuple(getattr(module, "LIMIT_TRANSPORTS", ("memcpy",)))
     labels = dict(getattr(module, "LABELS", {}))
