@@ -78,7 +78,6 @@ MARK = "@@device-json "  # the line of a probe's stdout that holds its result
 D2H, H2D = ("D2H", "np.asarray"), ("H2D", "jax.device_put")
 #: The same limits measured again at the end of the run.
 D2H_AGAIN, H2D_AGAIN = "np.asarray (again, last)", "jax.device_put (again, last)"
-JT, STOCK = "jaxtransport", "stock"
 #: (row name, jaxtransport transport, stock transport): the questions measured against a limit.
 QUESTIONS = (
     ("dumps", "jt.dumps", "pickle.dumps (JAX's reducer)"),

@@ -47,7 +47,7 @@ def test_the_runner_writes_nothing_and_succeeds_when_skipped(monkeypatch, tmp_pa
     assert runner.main(["--only", "device", "--replot", "--out", str(tmp_path)]) == 0
 
 
-def test_allow_cpu_measures_every_row(tmp_path, capsys):
+def test_allow_cpu_measures_every_row(tmp_path):
     """A smoke run: every row on CPU with finite seconds (the figures mean nothing), the files
     written with the environment line and the PASS/MISS lines."""
     assert device.main(["--allow-cpu", "--size-mib", "4", "--runs", "2", "--out", str(tmp_path)]) == 0
