@@ -52,6 +52,21 @@ class FigureError(LookupError):
     """A figure names a results file, row or field that is not there (or not exactly one row)."""
 
 
+class RowFailed(FigureError):
+    """The figure's row is there but its benchmark recorded that measuring it failed (``error``)."""
+
+
+#: Results files that may be absent: benchmarks that run only on an accelerator (``device``).
+#: Until such a file exists, its figures are not checked and a table that needs it says so
+#: instead of its rows; once it exists, it is checked like every other.
+OPTIONAL = ("device",)
+
+
+def absent(fig: Fig | Derived, results: str = RESULTS) -> bool:
+    """Whether ``fig`` needs an optional results file (:data:`OPTIONAL`) that is not there."""
+    return any(f in OPTIONAL and not os.path.exists(os.path.join(results, f"{f}.json")) for f in fig.files())
+
+
 # ------------------------------------------------------------------------------------------
 # results files
 
@@ -167,6 +182,7 @@ FORMATS: dict[str, Callable[[float], str]] = {
     "x": _x, "s": _s, "ms": _ms, "steps": _steps, "gbps": _gbps, "pct": _pct,
     "x2": lambda v: f"{v:.2f}x", "n": lambda v: f"{v:,.0f}", "raw": str,
     "us": lambda v: f"{v * 1e6:.0f} us" if v >= 1e-5 else f"{v * 1e6:.1f} us",
+    "mib": lambda v: f"{v / MiB:g} MiB",
 }
 
 
@@ -187,10 +203,13 @@ class Fig:
         return found[0]
 
     def value(self, results: str = RESULTS) -> Any:
-        raw = self.row(results).get(self.field)
+        row = self.row(results)
+        raw = row.get(self.field)
         if self.fmt == "raw" and raw not in (None, ""):
             return raw
         v = _num(raw)
+        if v is None and row.get("error"):
+            raise RowFailed(f"{self.file}.json {dict(self.where)}: the run failed to measure it: {row['error']}")
         if v is None:
             raise FigureError(f"{self.file}.json {dict(self.where)}: no number in {self.field!r}")
         return v
@@ -498,6 +517,30 @@ def _previous() -> None:
             FIGURES[f"prev.{key}"] = dataclasses.replace(fig, parts=tuple(f"prev.{p}" for p in fig.parts))
 
 
+def _device() -> None:
+    # benchmarks/device.py: a device array (256 MiB; 64 MiB with --quick) moved by jaxtransport
+    # against the device's own copies (D2H, H2D) and the stock routes. One size per run: the
+    # rows are found by question and transport only.
+    from .device import D2H, D2H_AGAIN, H2D, H2D_AGAIN, QUESTIONS
+
+    FIGURES["device.size"] = F("device", "size_bytes", "mib", name=D2H[0], transport=D2H[1])
+    FIGURES["device.d2h.s"] = F("device", "seconds", "s", name=D2H[0], transport=D2H[1])
+    FIGURES["device.h2d.s"] = F("device", "seconds", "s", name=H2D[0], transport=H2D[1])
+    FIGURES["device.d2h.last.s"] = F("device", "seconds", "s", name=D2H[0], transport=D2H_AGAIN)
+    FIGURES["device.h2d.last.s"] = F("device", "seconds", "s", name=H2D[0], transport=H2D_AGAIN)
+    tags = {"dumps": "dumps", "loads": "loads", "codec round trip": "codec", "Pool argument": "pool_arg",
+            "Pool production": "pool_prod", "Pool result": "pool_res", "Queue": "queue"}
+    for name, jt, stock in QUESTIONS:
+        tag = f"device.{tags[name]}"
+        FIGURES[f"{tag}.jt.s"] = F("device", "seconds", "s", name=name, transport=jt)
+        if name == "Pool production":
+            continue
+        FIGURES[f"{tag}.vs_limit"] = F("device", "vs_limit", "x2", name=name, transport=jt)
+        if stock:
+            FIGURES[f"{tag}.stock.s"] = F("device", "seconds", "s", name=name, transport=stock)
+            FIGURES[f"{tag}.speedup"] = F("device", "speedup", "x", name=name, transport=jt)
+
+
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
 PREVIOUS = ("pool", "executor", "queue", "rollouts_atari")
 
@@ -509,6 +552,7 @@ _others()
 _tasks()
 _joblib()
 _platforms()
+_device()
 _previous()
 
 
@@ -594,9 +638,13 @@ def _environment_line(file: str, results: str) -> str:
     bits = [f"{env.get('cpus', '?')} cores", f"{env.get('mem_total_gib', '?')} GiB",
             f"{env.get('jax_backend', '?').upper()} JAX {env.get('jax', '?')}",
             f"Python {env.get('python', '?')}"]
+    if env.get("device_kind"):
+        bits.insert(2, f"{env['device_kind']} ({env.get('devices', '?')} device)")
     if env.get("ray"):
         bits.append(f"Ray {env['ray']}")
     bits.append(kernel)
+    if env.get("mode"):  # device --allow-cpu: a smoke run
+        bits.append(env["mode"])
     if cond.get("loadavg_before") is not None:
         bits.append(f"load {cond['loadavg_before']:.1f} before, {cond.get('loadavg_after', 0):.1f} after")
     else:
@@ -612,6 +660,9 @@ HEADER = ("| question | stock | jaxtransport | speedup | source: results file, d
 
 #: Tables whose columns are not stock / jaxtransport / speedup.
 HEADERS = {
+    "device": "| question | stock | jaxtransport | against the limit (lower is better; 1.00x = the device's own copy) "
+              "/ speedup over stock | source: results file, date, and for each figure its runs and spread "
+              "((max - min) / median of the runs) |",
     "remeasure": "| figure | previous run | this run | what changed | source: results files, dates, runs and spread |",
 }
 
@@ -655,7 +706,25 @@ def render_sections(name: str, results: str = RESULTS) -> str:
     return "\n".join(out).rstrip("\n")
 
 
+#: Tables whose figures were measured on an accelerator: their footer names the machine so.
+ON_DEVICE = ("device",)
+
+
+def _table_keys(name: str) -> list[str]:
+    return [m.group(1) for row in TABLES[name] for c in (row.question, row.stock, row.jaxtransport, row.speedup)
+            for m in _PLACEHOLDER.finditer(c)]
+
+
 def render_table(name: str, results: str = RESULTS) -> str:
+    """The table's Markdown. A table that needs an optional results file that is not there yet
+    (:data:`OPTIONAL`) renders as a line saying so; in such a table (:data:`ON_DEVICE`), a row
+    whose run failed (:class:`RowFailed`) says that in its cells."""
+    missing = sorted({f for k in _table_keys(name) if k in FIGURES and absent(FIGURES[k], results)
+                      for f in FIGURES[k].files() if f in OPTIONAL})
+    if missing:
+        return ("Not measured yet: " + ", ".join(f"`benchmarks/results/{f}.json`" for f in missing)
+                + " is not there (it is measured only on an accelerator: `python -m benchmarks.device "
+                "--publish`, then `python -m benchmarks.publish`).")
     if name in SECTIONS:
         return render_sections(name, results)
     linked = LINKED.get(name)
@@ -672,13 +741,23 @@ def render_table(name: str, results: str = RESULTS) -> str:
     files: list[str] = []
     for row in TABLES[name]:
         used: list[str] = []
-        cells = _cells(name, row, results, used)
+        try:
+            cells = _cells(name, row, results, used)
+        except RowFailed:
+            if name not in ON_DEVICE:
+                raise
+            lines.append(f"| {_PLACEHOLDER.sub('-', row.question)} | not measured: the run failed to measure a "
+                         "figure of this row (its results file's `error` says why) | | | |")
+            continue
         source = _source_cell(used, results)
         for key in used:
             files.extend(f for f in FIGURES[key].files() if f not in files)
         lines.append("| " + " | ".join(cells + [source]) + " |")
-    lines += ["", "Machines and conditions of these runs (every figure is CPU-only; none was measured "
-              "on a GPU):", ""]
+    if name in ON_DEVICE:
+        lines += ["", "Machine and conditions of this run (the accelerator and its JAX as the run found them):", ""]
+    else:
+        lines += ["", "Machines and conditions of these runs (every figure is CPU-only; none was measured "
+                  "on a GPU):", ""]
     lines += [_environment_line(f, results) for f in files]
     return "\n".join(lines)
 
@@ -883,8 +962,33 @@ REMEASURE_ROWS = [
         "{atari.2.threads.steps} / {atari.2.queue_jt.steps}", "higher for every design: a quiet machine"),
 ]
 
+#: ``benchmarks/device.py`` (``<!-- figures:device begin -->`` in docs/accelerators.md): one
+#: device array through jaxtransport against the device's D2H / H2D copies and the stock routes.
+DEVICE_ROWS = [
+    Row("the limits, one {device.size} float32 array: `np.asarray` of a device array (D2H) / "
+        "`jax.device_put` of a host array (H2D), measured first / again last", "",
+        "D2H {device.d2h.s} / {device.d2h.last.s}; H2D {device.h2d.s} / {device.h2d.last.s}",
+        "the limits (each row's: the faster of the two)"),
+    Row("`jt.dumps` of a device array", "{device.dumps.stock.s} (`pickle.dumps`, JAX's reducer)",
+        "{device.dumps.jt.s}", "{device.dumps.vs_limit} D2H / {device.dumps.speedup}"),
+    Row("`jt.loads` onto the device", "{device.loads.stock.s} (`pickle.loads`, JAX's reducer)",
+        "{device.loads.jt.s}", "{device.loads.vs_limit} H2D / {device.loads.speedup}"),
+    Row("`jt.dumps` + `jt.loads`, device to device", "{device.codec.stock.s} (JAX's pickle round trip)",
+        "{device.codec.jt.s}", "{device.codec.vs_limit} D2H + H2D / {device.codec.speedup}"),
+    Row("`jt.Pool` argument: a device array to a CPU worker (a checksum back)",
+        "{device.pool_arg.stock.s} (`np.asarray` + `multiprocessing.Pool`)", "{device.pool_arg.jt.s}",
+        "{device.pool_arg.vs_limit} D2H / {device.pool_arg.speedup}"),
+    Row("`jt.Pool` result: a CPU worker's new array, ready on this process's device",
+        "{device.pool_res.stock.s} (`multiprocessing.Pool` + `jax.device_put`)",
+        "{device.pool_res.jt.s} (the worker's production alone: {device.pool_prod.jt.s})",
+        "{device.pool_res.vs_limit} production + H2D / {device.pool_res.speedup}"),
+    Row("`jaxtransport.multiprocessing.Queue`: put of a device array, the child's get and ack",
+        "{device.queue.stock.s} (`np.asarray` + `multiprocessing.Queue`)", "{device.queue.jt.s}",
+        "{device.queue.vs_limit} D2H / {device.queue.speedup}"),
+]
+
 TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "headline": README_ROWS, "benchmarks": BENCHMARKS_ROWS,
-                                "remeasure": REMEASURE_ROWS}
+                                "remeasure": REMEASURE_ROWS, "device": DEVICE_ROWS}
 
 
 # ------------------------------------------------------------------------------------------

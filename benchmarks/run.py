@@ -9,7 +9,10 @@ the published ``benchmarks/results/`` (or ``--out`` names a folder).
 Each benchmark module exposes ``run(quick) -> list[dict]`` whose rows carry at least ``name``
 (the question within the benchmark, e.g. "argument" / "result"), ``size_bytes``, ``transport``
 and ``seconds``, usually ``gbps`` and ``ratio``, and may expose ``check_targets(rows) ->
-list[str]`` (PASS/MISS lines against the issue's targets). Optional module attributes steer the
+list[str]`` (PASS/MISS lines against the issue's targets) and ``environment_info() -> dict`` (the
+environment the rows were measured in, when not this process's: ``device``). A ``run`` that
+returns no rows was skipped (``device`` without an accelerator): nothing is written, the files
+of an earlier run stay, and that is no failure. Optional module attributes steer the
 plot (see :func:`plot`): ``PLOT_X`` / ``PLOT_Y`` (row keys; default ``size_bytes`` /
 ``seconds``), ``PLOT_XLABEL`` / ``PLOT_YLABEL`` / ``PLOT_XFORMAT``, ``LIMIT_TRANSPORTS`` (rows
 drawn as a dashed limit, default ``memcpy``), ``BASELINE`` (the stock transport the speedup
@@ -61,6 +64,7 @@ BENCHMARKS = (
     ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),
     ("platforms", "benchmarks.platforms"),
+    ("device", "benchmarks.device"),
 )
 
 FIRST_COLUMNS = ("name", "size_bytes", "transport", "seconds", "gbps", "ratio")
@@ -241,14 +245,14 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
 
     Legends use ``LABELS`` (transport -> explanation). Returns whether a figure was written;
     it measures nothing (``--replot`` redraws published results as they were)."""
+    groups = plot_series(module, rows)
+    if not groups:  # nothing to draw: matplotlib is not needed (a machine may lack it)
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = plot_series(module, rows)
-    if not groups:
-        return False
     yk = getattr(module, "PLOT_Y", "seconds")
     limits = tuple(getattr(module, "LIMIT_TRANSPORTS", ("memcpy",)))
     labels = dict(getattr(module, "LABELS", {}))
@@ -444,6 +448,9 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
             with open(path) as f:
                 saved = json.load(f)
         except (OSError, ValueError) as exc:
+            if getattr(module, "NEEDS_ACCELERATOR", False) and not os.path.exists(path):
+                print(f"{name}: no saved rows to replot (it runs only on an accelerator); skipped")
+                return True
             print(f"!! {name}: no saved rows to replot ({exc}); run it first, or add --publish "
                   "to redraw the published results", file=sys.stderr)
             return False
@@ -472,7 +479,12 @@ def run_one(name: str, modname: str, quick: bool, out_dir: str, replot: bool = F
         print(f"!! {name}: {modname}.run returned {type(rows).__name__}, not a list of dicts",
               file=sys.stderr)
         return False
-    write_outputs(name, module, rows, out_dir, seconds, quick, before=before, after=conditions())
+    if not rows:  # skipped (e.g. device: no accelerator): the files of an earlier run stay
+        print(f"{name}: no rows (skipped); nothing written")
+        return True
+    info = getattr(module, "environment_info", None)  # a module whose rows ran elsewhere (device)
+    write_outputs(name, module, rows, out_dir, seconds, quick, info=info() if callable(info) else None,
+                  before=before, after=conditions())
     return True
 
 
