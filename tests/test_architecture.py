@@ -32,7 +32,7 @@ CHECKED = (
 # The layers below the top level, which the top-level modules may import (through each
 # package's ``__init__``, its interface): the OS facilities, one interface per facility
 # (Note [platforms]), and the shared memory built on them.
-LOWER = ("jaxtransport._os", "jaxtransport._shm")
+LOWER = ("jaxtransport._os", "jaxtransport._shm", "jaxtransport._devices")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -155,9 +155,11 @@ def test_the_shared_layer_imports_nothing_above_it():
 
 def test_the_lower_layers_import_nothing_above_them():
     """``_os`` (the OS facilities) imports only the error types and itself; ``_shm`` (shared
-    memory) only ``_os``, the leaf modules below the codec, and itself. So a platform's path
-    is chosen below everything that uses it."""
+    memory) only ``_os``, the leaf modules below the codec, and itself; ``_devices`` (who holds
+    which accelerator) only ``_os``, the errors and the JAX compatibility module. So a
+    platform's path, and a worker's devices, are chosen below everything that uses them."""
     allowed = {
+        "jaxtransport._devices": {"jaxtransport._errors", "jaxtransport._compat", "jaxtransport._os"},
         "jaxtransport._os": {"jaxtransport._errors"},
         "jaxtransport._shm": {
             "jaxtransport._errors",

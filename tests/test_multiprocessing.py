@@ -476,7 +476,9 @@ def test_passthrough_names():
     ctx = jmp.get_context("spawn")
     import multiprocessing
 
-    assert ctx.Process is multiprocessing.get_context("spawn").Process
+    # The start method's own Process, plus the device plan's variables (jaxtransport/_devices).
+    assert issubclass(ctx.Process, multiprocessing.get_context("spawn").Process)
+    assert ctx.Process is jmp.get_context("spawn").Process
     assert jmp.cpu_count() == multiprocessing.cpu_count()
     lock = jmp.Lock()
     with lock:

@@ -94,7 +94,7 @@ class Tpu(Kind):
 
 
 class Gpu(Kind):
-    """NVIDIA GPUs (``/proc/driver/nvidia/gpus``), through ``CUDA_VISIBLE_DEVICES``. Several
+    """NVIDIA GPUs (as the driver lists them: ``_os.nvidia_gpu_count``), through ``CUDA_VISIBLE_DEVICES``. Several
     processes can share one GPU (each worker gets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``)."""
 
     platforms = ("cuda", "gpu", "rocm")
