@@ -99,6 +99,13 @@ def test_worker_env_sizes_the_pools_and_sends_the_actors_to_the_cpu_beside_an_ac
     assert "JAX_PLATFORMS" not in env and "PJRT_NPROC" not in env
 
 
+def test_the_actors_reports_show_a_budget_that_did_not_take():
+    b = cpus.plan(2, 1, range(3))
+    assert b.unapplied([(1,), (2,)]) == ""
+    assert b.unapplied([(1,), (0, 1, 2)]) == "not applied in 1 of 2 actors (one reports cores 0-2)"
+    assert cpus.Budget().unapplied([(0, 1)]) == ""
+
+
 def test_pool_workers_claim_a_slot_each_and_a_latecomer_gets_them_all(tmp_path):
     pc = cpus.PoolCpus(((1,), (2, 3)), str(tmp_path))
     assert pc.claim() == (1,) and pc.claim() == (2, 3) and pc.claim() == (1, 2, 3)

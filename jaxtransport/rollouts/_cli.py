@@ -141,7 +141,11 @@ def train(
         # The workers start and compile in the background while the learner compiles here.
         warm_up_learner()
         be.wait_ready()
-        result.actor_devices = report.actor_devices(getattr(be, "actors", ()), cfg.backend)
+        actors = getattr(be, "actors", ())
+        result.actor_devices = report.actor_devices(actors, cfg.backend)
+        unapplied = budget.unapplied([a.cpus for a in actors])
+        if unapplied:  # read from the actors, not assumed
+            result.cpu_budget += f"; {unapplied}"
         print(
             f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any iteration); "
             f"{report.devices_line(result.learner_device, result.actor_devices)}; CPU budget: {result.cpu_budget}",

@@ -65,6 +65,18 @@ class Budget:
             text += f"; {len(self.actor_cpus)} actors x {self.per_actor} > the cores left: actors share cores"
         return text
 
+    def unapplied(self, reported: Sequence[Sequence[int] | None]) -> str:
+        """A note when the actors' own reports of their cores (``_worker.ActorInfo.cpus``) show
+        the budget did not take (an OS that accepts no affinity masks: the thread counts it
+        sets still apply); empty when every actor runs on one of the assigned sets."""
+        if not self.on:
+            return ""
+        assigned = {tuple(c) for c in self.actor_cpus}
+        wrong = [tuple(sorted(c)) for c in reported if c is not None and tuple(sorted(c)) not in assigned]
+        if not wrong:
+            return ""
+        return f"not applied in {len(wrong)} of {len(reported)} actors (one reports {_cpuset(wrong[0])})"
+
     def for_backend(self, backend: str) -> Budget:
         """This budget where ``backend`` pins its actors, else none (with the reason)."""
         if backend in PINNED_BACKENDS or not self.on:
@@ -100,8 +112,8 @@ def plan(actors: int, per_actor: int | None, cores: Collection[int] | None) -> B
     default: when the actors and the learner fill the machine (``actors + 1 >= cores``),
     ``floor((cores - 1) / actors)`` each; otherwise none. Not by default either for one actor
     (pinning it only takes cores from it) nor for more actors than cores beside the learner's:
-    sharing a core (round-robin) costs each actor the other cores it would use, measured at
-    0.6x the env steps/s unpinned for 2 actors on 2 cores.
+    round-robin, some cores get two actors and others one, and the slowest actor sets the
+    iteration's pace, while the learner's core idles whenever the learner waits.
 
     The learner keeps the lowest core(s): every core no actor gets, at least one. Actors get
     consecutive, disjoint blocks of the others; when those are fewer than ``actors x
@@ -124,8 +136,9 @@ def plan(actors: int, per_actor: int | None, cores: Collection[int] | None) -> B
         if actors < 2:
             return Budget(why="automatic: one actor competes with nothing for the cores")
         if actors > n - 1:
+            beside = f"{n - 1} {'core' if n == 2 else 'cores'}"
             return Budget(
-                why=f"automatic: {actors} actors outnumber the {n - 1} cores beside the learner's "
+                why=f"automatic: {actors} actors outnumber the {beside} beside the learner's "
                 "(--cpus-per-actor N shares cores between actors)"
             )
         per_actor = max(1, (n - 1) // actors)
