@@ -81,6 +81,17 @@ def test_no_budget_when_asked_or_where_processes_cannot_be_pinned():
         rollouts.Config(cpus_per_actor=-1).validate()
 
 
+def test_no_pinning_on_the_portable_paths_or_without_affinity_masks(monkeypatch):
+    from jaxtransport._os import _mode
+
+    monkeypatch.setattr(_mode, "_mode", _mode.PORTABLE)
+    assert cpus.available() is None and not cpus.apply([0])
+    monkeypatch.setattr(_mode, "_mode", _mode.AUTO)
+    monkeypatch.delattr(os, "sched_setaffinity", raising=False)
+    assert cpus.available() is None and not cpus.apply([0])
+    assert not cpus.apply(None) and not cpus.apply(())
+
+
 def test_only_the_backends_whose_actors_are_local_processes_are_pinned():
     b = cpus.plan(2, 1, range(4))
     assert b.for_backend("pool") is b and b.for_backend("queue") is b
