@@ -373,9 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the actors' CPU budget (--backend pool/queue, Linux): each actor process pinned to N "
         "cores of its own (sched_setaffinity, before JAX starts there; its XLA and OpenMP thread "
-        "pools sized to N), the learner keeping the rest; 0: none. Default: automatic when the "
-        "actors and the learner fill the cores (workers + 1 >= cores): (cores - 1) // workers "
-        "each, at least 1 (actors share cores round-robin when they outnumber them)",
+        "pools sized to N), the learner keeping the rest; 0: none; more than there are cores: "
+        "actors share them round-robin. Default: automatic when the actors and the learner fill "
+        "the cores (workers + 1 >= cores, 2 <= workers <= cores - 1): (cores - 1) // workers each",
     )
     p.add_argument(
         "--task-timeout",
