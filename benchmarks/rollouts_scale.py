@@ -28,7 +28,7 @@ on the accelerator reaches, at 12 actors, at least twice its own 2-actor env ste
 says which component bounds it.
 
 ``python -m benchmarks.rollouts_scale [--quick] [--configs queue/tpu,pool] [--max-actors 8]
-[--time-limit 400] [--out DIR]`` writes ``rollouts_scale.{md,json,png}`` (default: the scratch
+[--time-limit 360] [--out DIR]`` writes ``rollouts_scale.{md,json,png}`` (default: the scratch
 folder); ``python -m benchmarks --only rollouts_scale`` runs it too, but that runner's banner
 initialises JAX in its own process, which then holds a TPU: there the accelerator runs are
 skipped (rows say so), so run the module itself on an accelerator host.
@@ -60,6 +60,7 @@ PLOT_NOTE = ("Each point is one run in a fresh interpreter, the median iteration
              "and the actors on the CPU.")
 
 NAME = "rollouts-scale"
+FOUND: dict = {}  # what the last run() found: "accelerator" (its device) or None
 BUDGET_CHECK = "rollouts-scale-budget"  # (d): the other budget at the largest N (one point: no panel)
 BACKENDS = ("pool", "queue")
 FULL_ACTORS = (2, 4, 8, 12)
@@ -238,10 +239,10 @@ def run(quick: bool = False, configs: list[str] | None = None, max_actors: int |
         time_limit: float | None = None) -> list[dict]:
     """Every run of :func:`plan_runs`, one after another, each in its own interpreter with a
     ``timeout`` (default 180 s; quick 400 s); none starts once ``time_limit`` seconds have
-    passed (default: 400 s in full, none with ``quick``), those left get a row saying so."""
+    passed (default: 360 s in full, none with ``quick``), those left get a row saying so."""
     timed = iterations or (4 if quick else 6)
     timeout = timeout or (400.0 if quick else 180.0)
-    time_limit = time_limit if time_limit is not None else (None if quick else 400.0)
+    time_limit = time_limit if time_limit is not None else (None if quick else 360.0)
     counts = _counts(quick, max_actors, actors)
     held = _holds_accelerator()
     accel = None if held else probe_accelerator()
@@ -249,6 +250,7 @@ def run(quick: bool = False, configs: list[str] | None = None, max_actors: int |
         print("# this process already holds an accelerator (JAX initialised here): learner-on-CPU runs "
               "only; run `python -m benchmarks.rollouts_scale` for the accelerator's", flush=True)
     label = accel["platform"] if accel else None
+    FOUND["accelerator"] = f"{accel['device']} ({accel['platform']})" if accel else None
     print(f"# rollouts_scale: actors {counts}, {_common.usable_cores()} usable cores, learner on "
           f"{'cpu and ' + label + ' (' + accel['device'] + ')' if accel else 'cpu only (no accelerator found)'}",
           flush=True)
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--actors", type=int, action="append", help="actor count (repeatable; default 2 4 8 12)")
     p.add_argument("--iterations", type=int, help="timed iterations per run after 1 warm-up (default 6, quick 4)")
     p.add_argument("--timeout", type=float, help="seconds per run before it is recorded as failed (default 180)")
-    p.add_argument("--time-limit", type=float, help="start no run after this many seconds (default 400; quick: none)")
+    p.add_argument("--time-limit", type=float, help="start no run after this many seconds (default 360; quick: none)")
     p.add_argument("--out", help="write rollouts_scale.{md,json,png} here (default: benchmarks/results/scratch)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -457,9 +459,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "actor_compute_s", "actor_compute_mean_s", "actor_cores_busy", "learner_s", "transport_s",
                          "transport_share"])
     module = sys.modules[__name__]
-    # After every run: this process may initialise JAX now (its banner names the machine's backend).
+    # The banner's JAX backend: this process's JAX on the CPU (initialising it on a TPU would take
+    # seconds and the chip), the accelerator as the probe found it.
+    if not _holds_accelerator():
+        try:
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+        except Exception:  # noqa: BLE001 - already initialised: the banner says what it has
+            pass
+    info = _common.env_info()
+    info["jax_backend"] = FOUND.get("accelerator") or info.get("jax_backend")
+    info["learners"] = "cpu" + (f" and {FOUND['accelerator']}" if FOUND.get("accelerator") else "")
     runner.write_outputs("rollouts_scale", module, rows, args.out or runner.SCRATCH, seconds, args.quick,
-                         before=before, after=runner.conditions())
+                         info=info, before=before, after=runner.conditions())
     return rows
 
 
