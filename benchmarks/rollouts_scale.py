@@ -192,8 +192,8 @@ def _keep(config: str, accel_platform: str | None, configs: list[str] | None) ->
     backend, learner = config.split("/")
     names = {learner} | ({"accel", accel_platform} if learner == "accel" and accel_platform else set())
     for token in configs:
-        b, _, l = token.strip().lower().partition("/")
-        if (b in ("", "*") or b == backend or (not l and b in names)) and (not l or l in names):
+        b, _, lrn = token.strip().lower().partition("/")
+        if (b in ("", "*") or b == backend or (not lrn and b in names)) and (not lrn or lrn in names):
             return True
     return False
 
@@ -417,9 +417,10 @@ def check_targets(rows: list[dict]) -> list[str]:
         others = [r for r in main if r["transport"] == a["transport"] and r["actors"] > 1]
         if others:
             top = max(others, key=lambda r: r["actors"])
+            slower = top["actor_compute_mean_s"] / a["actor_compute_mean_s"]
             out.append(f"INFO one actor alone ({a['transport']}): rollout {a['actor_compute_mean_s']:.3f}s on "
                        f"{a['actor_cores_busy'] or 0:.1f} cores; with {top['actors'] - 1} others "
-                       f"{top['actor_compute_mean_s']:.3f}s ({top['actor_compute_mean_s'] / a['actor_compute_mean_s']:.2f}x)")
+                       f"{top['actor_compute_mean_s']:.3f}s ({slower:.2f}x)")
     for r in rows:
         if "error" in r:
             out.append(f"FAILED {r['transport']}, {r['actors']} actors, budget {r['budget_asked']}: {r['error'][:200]}")

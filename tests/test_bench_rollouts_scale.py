@@ -96,8 +96,8 @@ def test_rows_and_a_miss_that_names_what_bounds_it():
 
 def test_without_an_accelerator_the_target_is_not_checked():
     spec = {"backend": "queue", "learner": "cpu", "budget": None, "name": scale.NAME}
-    rows = scale._rows([(dict(spec, actors=1), _got(1, 0.1, 0.03, 0.0)), (dict(spec, actors=2), _got(2, 0.12, 0.03, 0.0))],
-                       None)
+    results = [(dict(spec, actors=1), _got(1, 0.1, 0.03, 0.0)), (dict(spec, actors=2), _got(2, 0.12, 0.03, 0.0))]
+    rows = scale._rows(results, None)
     lines = scale.check_targets(rows)
     assert lines[0].startswith("SKIP") and rows[0]["ratio_vs_2"] == pytest.approx(rows[0]["env_steps_per_s"]
                                                                                   / rows[1]["env_steps_per_s"])

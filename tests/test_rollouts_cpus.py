@@ -9,11 +9,11 @@ import os
 
 import pytest
 
+from jaxtransport import rollouts
 from jaxtransport.rollouts import _backends as backends
 from jaxtransport.rollouts import _cpus as cpus
 from jaxtransport.rollouts import _report as report
 from jaxtransport.rollouts import _worker as worker
-from jaxtransport import rollouts
 
 from .test_rollouts import TINY, _cli, _Inline
 
