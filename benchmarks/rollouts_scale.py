@@ -41,6 +41,7 @@ import io
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,17 +120,23 @@ def _child_env(learner: str) -> dict:
 def _run_child(spec: dict, learner: str, timeout: float) -> dict:
     """``child(spec)`` in a fresh interpreter; ``{"error": ...}`` when it fails or times out."""
     cmd = [sys.executable, "-m", "benchmarks.rollouts_scale", "--child", json.dumps(spec)]
+    # A session of its own: on a timeout the run and every actor it started are killed together
+    # (an orphaned actor would take cores from the runs after it).
+    proc = subprocess.Popen(cmd, env=_child_env(learner), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=_child_env(learner), cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-600:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return {"error": f"timed out after {timeout:.0f}s: {tail.strip()}"}
-    for line in reversed(proc.stdout.splitlines()):
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"error": f"timed out after {timeout:.0f}s: {(stderr or '')[-600:].strip()}"}
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:].strip()}"}
+    return {"error": f"exit {proc.returncode}: {(stderr or stdout)[-800:].strip()}"}
 
 
 def probe_accelerator(timeout: float = 180.0) -> dict | None:
@@ -267,7 +274,7 @@ def run(quick: bool = False, configs: list[str] | None = None, max_actors: int |
             print(f"# skipped ({elapsed:.0f}s of --time-limit {time_limit:.0f}s used): {what}", flush=True)
             results.append((spec, {"error": f"skipped: --time-limit {time_limit:.0f}s reached"}))
             continue
-        left = timeout if time_limit is None else max(30.0, min(timeout, time_limit - elapsed + 30.0))
+        left = timeout if time_limit is None else min(timeout, max(30.0, time_limit - elapsed + 30.0))
         print(f"# run {k + 1}/{len(specs)} ({elapsed:.0f}s): {what}", flush=True)
         child_spec = {"backend": spec["backend"], "actors": spec["actors"], "budget": spec["budget"],
                       "iterations": timed + 1, "warmup": 1}
