@@ -462,10 +462,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = run(args.quick, configs=args.configs.split(",") if args.configs else None, max_actors=args.max_actors,
                actors=args.actors, iterations=args.iterations, timeout=args.timeout, time_limit=args.time_limit)
     seconds = time.perf_counter() - started
-    _common.print_table([r for r in rows if "env_steps_per_s" in r],
-                        ["transport", "actors", "cpu_budget", "env_steps_per_s", "ratio_vs_2", "wall_s",
-                         "actor_compute_s", "actor_compute_mean_s", "actor_cores_busy", "learner_s", "transport_s",
-                         "transport_share"])
+    measured = [r for r in rows if "env_steps_per_s" in r]
+    if measured:
+        _common.print_table(measured, ["transport", "actors", "cpu_budget", "env_steps_per_s", "ratio_vs_2",
+                                       "wall_s", "actor_compute_s", "actor_compute_mean_s", "actor_cores_busy",
+                                       "learner_s", "transport_s", "transport_share"])
     module = sys.modules[__name__]
     # The banner's JAX backend: this process's JAX on the CPU (initialising it on a TPU would take
     # seconds and the chip), the accelerator as the probe found it.
