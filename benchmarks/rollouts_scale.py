@@ -430,7 +430,8 @@ def check_targets(rows: list[dict]) -> list[str]:
                        f"{top['actor_compute_mean_s']:.3f}s ({slower:.2f}x)")
     for r in rows:
         if "error" in r:
-            out.append(f"FAILED {r['transport']}, {r['actors']} actors, budget {r['budget_asked']}: {r['error'][:200]}")
+            word = "SKIPPED" if r["error"].startswith("skipped") else "FAILED"
+            out.append(f"{word} {r['transport']}, {r['actors']} actors, budget {r['budget_asked']}: {r['error'][:200]}")
     return out
 
 
