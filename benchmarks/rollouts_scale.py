@@ -376,7 +376,7 @@ def _bound(r: dict) -> str:
             f"{r['actor_compute_s']:.3f}s, learner {r['learner_s']:.3f}s, transport share "
             f"{100 * r['transport_share']:.0f}%)")
     if name == "actor compute":
-        if r.get("compute_vs_fewest"):
+        if r.get("compute_vs_fewest") and r.get("fewest_actors") != r["actors"]:
             text += (f"; each actor's rollout took {r['compute_vs_fewest']:.2f}x its time at "
                      f"{r['fewest_actors']} actors for the same work")
         if r.get("actor_cores_busy"):
