@@ -59,6 +59,7 @@ BENCHMARKS = (
     ("executor", "benchmarks.executor"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
+    ("rollouts_scale", "benchmarks.rollouts_scale"),
     ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("queue", "benchmarks.queue"),
     ("forward", "benchmarks.forward"),

@@ -22,8 +22,9 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
 - the Pool's pipes (``_pipes``, Note [pipe io]): POSIX ``select.poll``, ``sendmsg`` with
   ``MSG_DONTWAIT``, ``writev`` over ``multiprocessing`` Pipes; elsewhere (Windows, and in-band)
   socket pairs, non-blocking sockets, ``select()`` and ``multiprocessing.connection.wait``.
-- CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity``, ``/proc``, pidfd;
-  elsewhere ``os.cpu_count``, ``sysconf``, ``kill(pid, 0)``.
+- CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity`` (and ``sched_setaffinity``,
+  to pin a process to cores), ``/proc``, pidfd; elsewhere ``os.cpu_count``, ``sysconf``,
+  ``kill(pid, 0)`` (and no pinning).
 
 ``JAXTRANSPORT_PLATFORM`` (``_mode``) selects a column on any host: ``portable`` or ``inband``
 (unset, ``auto``: feature detection). Spawned workers inherit it. Callers import this package's
@@ -65,7 +66,17 @@ from ._pipes import (
     worker_reader_socket,
     worker_writer,
 )
-from ._procinfo import cpu_count, fd_limit, free_memory, has_proc, nvidia_gpu_count, process_token, wait_for_exit
+from ._procinfo import (
+    cpu_affinity,
+    cpu_count,
+    fd_limit,
+    free_memory,
+    has_proc,
+    nvidia_gpu_count,
+    process_token,
+    set_cpu_affinity,
+    wait_for_exit,
+)
 from ._segments import (
     PAGE,
     addr,
@@ -93,6 +104,7 @@ __all__ = [
     "advance",
     "can_grow",
     "capacity_failure",
+    "cpu_affinity",
     "cpu_count",
     "create_segment",
     "describe",
@@ -125,6 +137,7 @@ __all__ = [
     "send_fd",
     "send_message",
     "send_some",
+    "set_cpu_affinity",
     "stream_locks",
     "try_lock_range",
     "unlock_range",

@@ -1,6 +1,7 @@
-"""CPU count, free memory, the open-file limit and process liveness: from Linux's ``/proc`` and ``sched_getaffinity``
-where they exist, from ``os.sysconf``, ``os.cpu_count`` and ``os.kill(pid, 0)`` on other POSIX
-hosts, from ``multiprocessing``'s process sentinels where ``os.kill`` is no probe (Windows).
+"""CPU count and affinity, free memory, the open-file limit and process liveness: from Linux's
+``/proc`` and ``sched_getaffinity`` (``sched_setaffinity``) where they exist, from
+``os.sysconf``, ``os.cpu_count`` and ``os.kill(pid, 0)`` on other POSIX hosts, from
+``multiprocessing``'s process sentinels where ``os.kill`` is no probe (Windows).
 
 Every read of ``/proc`` and ``/sys`` in jaxtransport goes through this module, so a host without
 them (macOS) or a test hiding them takes the portable answers."""
@@ -13,7 +14,16 @@ from typing import Any
 from . import _mode
 from ._pipes import kill_probes
 
-__all__ = ["cpu_count", "free_memory", "has_proc", "nvidia_gpu_count", "process_token", "wait_for_exit"]
+__all__ = [
+    "cpu_affinity",
+    "cpu_count",
+    "free_memory",
+    "has_proc",
+    "nvidia_gpu_count",
+    "process_token",
+    "set_cpu_affinity",
+    "wait_for_exit",
+]
 
 
 def _linux_proc() -> bool:
@@ -48,6 +58,31 @@ def cpu_count() -> int:
         except OSError:  # pragma: no cover
             pass
     return os.cpu_count() or 1
+
+
+def cpu_affinity() -> frozenset[int] | None:
+    """The CPUs this process may run on (its affinity mask), or None where the OS has no affinity
+    masks to read and set (macOS, Windows; and the portable columns, Note [platforms])."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None or not hasattr(os, "sched_setaffinity") or _mode.mode() != _mode.AUTO:
+        return None
+    try:
+        return frozenset(getaffinity(0))
+    except OSError:  # pragma: no cover
+        return None
+
+
+def set_cpu_affinity(cpus) -> bool:
+    """Restrict this process to ``cpus`` (its calling thread, and every thread it starts from
+    now on: threads already running keep their mask). False, changing nothing, where the OS has
+    no affinity masks (see :func:`cpu_affinity`) or refuses this set."""
+    if cpu_affinity() is None:
+        return False
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _meminfo_available() -> int | None:

@@ -33,43 +33,66 @@ from typing import Any, NamedTuple
 
 from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 from . import _atari as atari
+from . import _cpus as cpus_budget
 from . import _worker as worker
 
 BACKENDS = ("pool", "ray", "queue", "threads")
 TRANSPORTS = ("jaxtransport", "stock")
 
-# One XLA compute thread per worker when the workers fill the machine's cores: otherwise every
-# worker's thread pool spans all cores and they slow each other down (the reason Ray sets
-# OMP_NUM_THREADS=1 for its tasks).
-_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# Without a CPU budget (``_cpus``), when the workers fill the machine's cores: Eigen's operations
+# on the calling thread, not on a pool spanning all cores (the reason Ray sets OMP_NUM_THREADS=1
+# for its tasks). (XLA has no flag ``intra_op_parallelism_threads``: jaxlib sizes its CPU thread
+# pools from the affinity mask, or from ``PJRT_NPROC``, which the budget sets.)
+_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
-def worker_env(workers: int) -> dict[str, str]:
+def worker_env(
+    workers: int, budget: cpus_budget.Budget | None = None, learner_platform: str | None = None
+) -> dict[str, str]:
     """Environment variables for the workers of a run with ``workers`` workers (the same for
     the stock and the jaxtransport transports): no GPU memory grab unless this process's
-    environment says otherwise, and its ``JAX_PLATFORMS`` and ``XLA_FLAGS``."""
+    environment says otherwise, and its ``JAX_PLATFORMS`` and ``XLA_FLAGS``; ``JAX_PLATFORMS=cpu``
+    when the learner (this process) runs on an accelerator (``learner_platform`` not ``"cpu"``:
+    the actors act on the CPU, the accelerator is the learner's); the thread counts of a CPU
+    ``budget`` (``PJRT_NPROC``, ``OMP_NUM_THREADS``), or without one, single-threaded Eigen when
+    the workers fill the cores."""
     env = dict(NO_PREALLOCATION)
     for name in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS"):
         if name in os.environ:
             env[name] = os.environ[name]
+    if learner_platform is not None and learner_platform != "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     flags = env.get("XLA_FLAGS", "")
-    if workers >= (os.cpu_count() or 1) and "intra_op_parallelism_threads" not in flags:
+    if budget is not None and budget.on:
+        env.update(budget.env())
+    elif workers >= (os.cpu_count() or 1) and "xla_cpu_multi_thread_eigen" not in flags:
         env["XLA_FLAGS"] = f"{flags} {_ONE_THREAD}".strip()
     return env
 
 
-def _probe(seconds: float) -> int:
-    """A task that says which worker ran it (see ``_PoolBackend.wait_ready``)."""
+_ACTOR: worker.ActorInfo | None = None  # this worker's, once warmed up (_warm_up)
+
+
+def _probe(seconds: float) -> worker.ActorInfo:
+    """A task that says which worker ran it, on which device and cores (see
+    ``_PoolBackend.wait_ready``)."""
     time.sleep(seconds)
-    return os.getpid()
+    return _ACTOR or worker.actor_info()
 
 
-def _warm_up(env: dict[str, str], warm: tuple | None) -> None:
-    """Pool initializer: set the worker environment (before this process first uses JAX), then
-    compile the rollout for this run's shapes, so every worker pays compilation while the pool
-    starts, not inside a timed iteration."""
+def _warm_up(env: dict[str, str], warm: tuple | None, cpus: cpus_budget.PoolCpus | Sequence[int] | None = None) -> None:
+    """Pool initializer (and Ray actor's start): pin this process to its cores (``cpus``: a
+    Pool's budget, from which it claims a slot, or the cores themselves) and set the worker
+    environment, both before this process first uses JAX (whose thread pools are sized then),
+    then compile the rollout for this run's shapes, so every worker pays compilation while the
+    pool starts, not inside a timed iteration."""
+    global _ACTOR
+    if isinstance(cpus, cpus_budget.PoolCpus):
+        cpus = cpus.claim()
+    cpus_budget.apply(cpus)
     apply_environ(env)
     _warm(warm)
+    _ACTOR = worker.actor_info()
 
 
 def _warm(warm: tuple | None) -> None:
@@ -86,9 +109,12 @@ def _for_slot(warm: tuple | None, slot: int) -> tuple | None:
 
 
 class Backend:
-    """The interface the training loop uses; see the module docstring."""
+    """The interface the training loop uses; see the module docstring. After
+    :meth:`wait_ready`, ``actors`` says where each actor runs (``_worker.ActorInfo``: its
+    process, JAX device and cores, as the actor itself read them)."""
 
     name: str
+    actors: Sequence[worker.ActorInfo] = ()
 
     def broadcast(self, params: Any) -> Any:
         raise NotImplementedError
@@ -137,6 +163,7 @@ class _PoolBackend(Backend):
     timeout: float
     workers: int
     _pool: Any
+    _cpus: cpus_budget.PoolCpus | None = None  # the workers' CPU budget, whose claim folder close() removes
 
     def map(self, handle, tasks):
         res = self._pool.starmap_async(worker.run_task, [(handle, *t) for t in tasks], chunksize=1)
@@ -150,34 +177,57 @@ class _PoolBackend(Backend):
         # once every worker's pid has answered a probe, all of them are ready. A probe lasts
         # long enough that a ready worker cannot take every probe of a round by itself.
         deadline = time.monotonic() + self.timeout
-        seen: set[int] = set()
+        seen: dict[int, worker.ActorInfo] = {}
         while len(seen) < self.workers:
             left = deadline - time.monotonic()
             res = self._pool.map_async(_probe, [0.05] * self.workers, chunksize=1)
             try:
-                seen.update(res.get(max(left, 0.001)))
+                seen.update((info.pid, info) for info in res.get(max(left, 0.001)))
             except multiprocessing.TimeoutError:
                 raise _timeout_error(self.name, self.timeout) from None
+        self.actors = list(seen.values())
 
     def close(self):
-        self._pool.close()
-        self._pool.join()
+        try:
+            self._pool.close()
+            self._pool.join()
+        finally:
+            self._remove_claims()
 
     def terminate(self):
-        self._pool.terminate()
-        self._pool.join()
+        try:
+            self._pool.terminate()
+            self._pool.join()
+        finally:
+            self._remove_claims()
+
+    def _remove_claims(self) -> None:
+        if self._cpus is not None:
+            self._cpus.remove()
 
 
 class StockPool(_PoolBackend):
     """``multiprocessing.Pool`` (spawn): arguments and results pickled through its pipes."""
 
-    def __init__(self, workers: int, warm: tuple | None, timeout: float):
+    def __init__(
+        self,
+        workers: int,
+        warm: tuple | None,
+        timeout: float,
+        budget: cpus_budget.Budget | None = None,
+        learner_platform: str | None = None,
+    ):
         self.name = "pool/stock"
         self.timeout, self.workers = timeout, workers
         ctx = multiprocessing.get_context("spawn")
-        env = worker_env(workers)
-        with environ_overlay(env):  # spawned workers start with the parent's environment
-            self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(env, warm))
+        env = worker_env(workers, budget, learner_platform)
+        self._cpus = cpus_budget.PoolCpus.make(budget) if budget is not None else None
+        try:
+            with environ_overlay(env):  # spawned workers start with the parent's environment
+                self._pool = ctx.Pool(workers, initializer=_warm_up, initargs=(env, warm, self._cpus))
+        except BaseException:
+            self._remove_claims()
+            raise
 
     def broadcast(self, params):
         return params  # pickled again into every task: multiprocessing has no broadcast
@@ -186,13 +236,27 @@ class StockPool(_PoolBackend):
 class JaxtransportPool(_PoolBackend):
     """``jaxtransport.Pool``: arrays through recycled shared memory, parameters ``share()``d."""
 
-    def __init__(self, workers: int, warm: tuple | None, timeout: float):
+    def __init__(
+        self,
+        workers: int,
+        warm: tuple | None,
+        timeout: float,
+        budget: cpus_budget.Budget | None = None,
+        learner_platform: str | None = None,
+    ):
         self.name = "pool/jaxtransport"
         self.timeout, self.workers = timeout, workers
         from ..pool import Pool  # jaxtransport.Pool
 
-        env = worker_env(workers)
-        self._pool = Pool(workers, initializer=_warm_up, initargs=(env, warm), start_method="spawn", worker_env=env)
+        env = worker_env(workers, budget, learner_platform)
+        self._cpus = cpus_budget.PoolCpus.make(budget) if budget is not None else None
+        try:
+            self._pool = Pool(
+                workers, initializer=_warm_up, initargs=(env, warm, self._cpus), start_method="spawn", worker_env=env
+            )
+        except BaseException:
+            self._remove_claims()
+            raise
 
     def broadcast(self, params):
         return self._pool.share(params)
@@ -220,8 +284,8 @@ class RolloutWorker:
                 jt_ray.unregister()
         _warm_up(env, warm)
 
-    def ready(self) -> int:
-        return os.getpid()
+    def ready(self) -> worker.ActorInfo:
+        return _ACTOR or worker.actor_info()
 
     def rollout(self, params, *task):
         return worker.run_task(params, *task)
@@ -329,6 +393,7 @@ class RayBackend(Backend):
         warm: tuple | None = None,
         cpu_wait_s: float = 120.0,
         session: RaySession | None = None,
+        learner_platform: str | None = None,
     ):
         self.timeout = timeout
         self.name = f"ray/{transport}"
@@ -339,7 +404,7 @@ class RayBackend(Backend):
         try:
             self._session.use(transport)
             actor = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(RolloutWorker)
-            env = worker_env(workers)
+            env = worker_env(workers, learner_platform=learner_platform)
             self._actors = [actor.remote(env, _for_slot(warm, i), transport) for i in range(workers)]
         except BaseException:
             self.close()
@@ -348,7 +413,7 @@ class RayBackend(Backend):
     def wait_ready(self):
         refs = [a.ready.remote() for a in self._actors]
         try:
-            self._ray.get(refs, timeout=self.timeout)
+            self.actors = self._ray.get(refs, timeout=self.timeout)
         except self._ray.exceptions.GetTimeoutError:
             raise _timeout_error(self.name, self.timeout) from None
 
@@ -377,13 +442,16 @@ class RayBackend(Backend):
                 self._session.close()
 
 
-_READY = "ready"  # an actor's first message: started and compiled
+class _Ready(NamedTuple):
+    """A streaming actor's first message: started and compiled; where it runs."""
+
+    info: worker.ActorInfo
 
 
 def _take_from(traj_q, n: int, ready: bool, *, name: str, timeout: float, poll_s: float, check) -> list:
     """The next ``n`` items of a streaming backend's trajectory queue: with ``ready``, the
-    actors' ``_READY`` messages (a trajectory then is an error); else trajectories (a late
-    ``_READY`` is skipped). ``check()`` raises when an actor died or failed; past ``timeout``
+    actors' ``_Ready`` messages (a trajectory then is an error); else trajectories (a late
+    ``_Ready`` is skipped). ``check()`` raises when an actor died or failed; past ``timeout``
     seconds without ``n`` items, a timeout error."""
     import queue as _queue
 
@@ -397,7 +465,7 @@ def _take_from(traj_q, n: int, ready: bool, *, name: str, timeout: float, poll_s
             if time.monotonic() > deadline:
                 raise _timeout_error(name, timeout) from None
             continue
-        if isinstance(item, str) and item == _READY:
+        if isinstance(item, _Ready):
             if ready:
                 out.append(item)
             continue
@@ -416,6 +484,7 @@ class _ActorItem(NamedTuple):
     act_s: float | None
     version: int  # the parameter version that acted
     actor: int  # the actor's index
+    cpu_s: float | None = None  # its process's CPU seconds in the rollout (_worker.take_cpu_s)
 
 
 def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shape: tuple, max_lag: int = 1) -> None:
@@ -466,7 +535,7 @@ def _stream(index: int, params_q, traj_q, base, max_lag: int, step) -> None:
 
     import jax
 
-    traj_q.put(_READY)  # started and compiled: the learner's start-up waits for every actor
+    traj_q.put(_Ready(worker.actor_info()))  # started and compiled: the learner's start-up waits for every actor
     item = params_q.get()
     n = 0
     while item is not None:
@@ -483,16 +552,25 @@ def _stream(index: int, params_q, traj_q, base, max_lag: int, step) -> None:
             version, params = newer
         traj, carry_out, compute, act = step(params, jax.random.fold_in(base, n + 1))
         n += 1
-        traj_q.put(_ActorItem(traj, carry_out, compute, act, version, index))
+        traj_q.put(_ActorItem(traj, carry_out, compute, act, version, index, worker.take_cpu_s()))
         del traj
         item = (version, params)
 
 
 def actor_main(
-    index: int, params_q, traj_q, env: dict[str, str], warm: tuple | None, seed: int, shape: tuple, max_lag: int = 1
+    index: int,
+    params_q,
+    traj_q,
+    env: dict[str, str],
+    warm: tuple | None,
+    seed: int,
+    shape: tuple,
+    max_lag: int = 1,
+    cpus: Sequence[int] | None = None,
 ) -> None:
-    """A streaming actor process: sets the worker environment (before JAX initialises here),
-    then runs :func:`actor_loop`."""
+    """A streaming actor process: pins itself to ``cpus`` (its CPU budget) and sets the worker
+    environment, both before JAX initialises here, then runs :func:`actor_loop`."""
+    cpus_budget.apply(cpus)
     apply_environ(env)
     actor_loop(index, params_q, traj_q, warm, seed, shape, max_lag)
 
@@ -510,7 +588,9 @@ def _rollouts(items: list, version: int) -> list:
     order): which actor's trajectory arrived first varies from run to run, the learner's
     batch then does not (with ``--max-lag 0`` it is the same, bit for bit, every run)."""
     items = sorted(enumerate(items), key=lambda p: (p[1].actor, p[0]))
-    return [worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version) for _, it in items]
+    return [
+        worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version, it.cpu_s) for _, it in items
+    ]
 
 
 class QueueBackend(Backend):
@@ -546,6 +626,8 @@ class QueueBackend(Backend):
         seed: int = 0,
         shape: tuple | None = None,
         max_lag: int = 1,
+        budget: cpus_budget.Budget | None = None,
+        learner_platform: str | None = None,
     ):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
@@ -560,7 +642,8 @@ class QueueBackend(Backend):
         self._version = 0
         self._publishing: threading.Thread | None = None
         self._publish_error: list[BaseException] = []
-        env = worker_env(workers)
+        env = worker_env(workers, budget, learner_platform)
+        per_actor = budget.actor_cpus if budget is not None and budget.on else [None] * workers
         self._traj = ctx.Queue(workers)
         self._params = [ctx.Queue() for _ in range(workers)]
         self._procs = []
@@ -569,7 +652,7 @@ class QueueBackend(Backend):
                 for i in range(workers):
                     p = ctx.Process(
                         target=actor_main,
-                        args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag),
+                        args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag, per_actor[i]),
                         daemon=True,
                         name=f"jaxtransport-rollouts-actor-{i}",
                     )
@@ -615,7 +698,7 @@ class QueueBackend(Backend):
             raise self._publish_error.pop()
 
     def wait_ready(self):
-        self._take(len(self._procs), ready=True)
+        self.actors = [r.info for r in self._take(len(self._procs), ready=True)]
 
     def map(self, handle, tasks):
         out = _rollouts(self._take(len(tasks), ready=False), handle)
@@ -734,10 +817,11 @@ class ThreadsBackend(Backend):
         return self._version
 
     def wait_ready(self):
-        self._take(len(self._threads), ready=True)
+        self.actors = [r.info for r in self._take(len(self._threads), ready=True)]
 
     def map(self, handle, tasks):
-        return _rollouts(self._take(len(tasks), ready=False), handle)
+        # An actor thread's process is the learner's: its CPU time says nothing of the actor.
+        return [r._replace(cpu_s=None) for r in _rollouts(self._take(len(tasks), ready=False), handle)]
 
     def _take(self, n: int, ready: bool) -> list:
         return _take_from(
@@ -817,13 +901,17 @@ def make(
     session: RaySession | None = None,
     seed: int = 0,
     max_lag: int = 1,
+    budget: cpus_budget.Budget | None = None,
+    learner_platform: str | None = None,
 ) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
     before ``map`` raises ``TimeoutError`` instead of waiting forever. ``session``: the Ray
     connection to run on (``--backend ray``; default: the backend starts its own). ``seed``:
     the streaming actors' environment seeds, ``max_lag``: how many rollouts each may run ahead
-    of the learner's updates (``--backend queue``)."""
+    of the learner's updates (``--backend queue``). ``budget``: the actors' cores (``_cpus``;
+    the Pool and queue backends), ``learner_platform``: this process's JAX platform (the actors
+    run on the CPU when it is an accelerator's)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "threads" and transport not in TRANSPORTS:
@@ -833,11 +921,15 @@ def make(
     if address is not None and backend != "ray":
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
     if backend == "ray":
-        return RayBackend(workers, transport, address, timeout, warm, session=session)
+        return RayBackend(
+            workers, transport, address, timeout, warm, session=session, learner_platform=learner_platform
+        )
     if backend == "queue":
-        return QueueBackend(workers, transport, warm, timeout, seed, max_lag=max_lag)
+        return QueueBackend(
+            workers, transport, warm, timeout, seed, max_lag=max_lag, budget=budget, learner_platform=learner_platform
+        )
     if backend == "threads":
         return ThreadsBackend(workers, warm, timeout, seed, max_lag=max_lag)
     if transport == "stock":
-        return StockPool(workers, warm, timeout)
-    return JaxtransportPool(workers, warm, timeout)
+        return StockPool(workers, warm, timeout, budget, learner_platform)
+    return JaxtransportPool(workers, warm, timeout, budget, learner_platform)

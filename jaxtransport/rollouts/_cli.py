@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from . import _backends as backends
+from . import _cpus as cpus
 from . import _report as report
 from ._config import ATARI_DEFAULTS, Config, IterationStats, RunResult, run_label
 
@@ -30,7 +31,13 @@ def train(
     moves nothing between processes: ``transport`` is only its label there.
 
     Start-up (starting the workers, compiling the rollout in each and the learner here) is
-    done and reported before the first iteration: no iteration, warm-up included, counts it."""
+    done and reported before the first iteration: no iteration, warm-up included, counts it.
+
+    The learner runs on this process's default JAX device (``jax.devices()[0]``: an
+    accelerator where there is one); the actors on the CPU whenever that device is not a CPU
+    (``_backends.worker_env``), pinned to cores of their own by ``cfg.cpus_per_actor``
+    (``_cpus``). The result names the devices each side reported, and where the trajectories
+    arrived (they are moved to the learner's device if they arrive elsewhere, as transport)."""
     import jax
 
     from . import _policy as policy
@@ -41,6 +48,8 @@ def train(
     err = sys.stderr if err is None else err
     label = run_label(cfg.backend, transport)
     started = time.perf_counter()
+    learner_device = jax.devices()[0]
+    budget = cpus.plan(cfg.workers, cfg.cpus_per_actor, cpus.available()).for_backend(cfg.backend)
     key = jax.random.key(cfg.seed)
     k_params, k_envs, k_steps = jax.random.split(key, 3)
     if cfg.atari:
@@ -63,6 +72,9 @@ def train(
     opt = policy.adam_init(params)
     param_bytes = policy.num_bytes(params)
     result = RunResult(cfg.backend, transport, cfg, param_bytes, [])
+    result.learner_device = report.device_of(learner_device)
+    result.cpus_per_actor = budget.per_actor if budget.on else 0
+    result.cpu_budget = budget.describe()
     bar = report.ProgressBar(
         cfg.iterations, err, label=label, enabled=report.is_terminal(out) and report.is_terminal(err)
     )
@@ -123,12 +135,20 @@ def train(
         session=session,
         seed=cfg.seed,
         max_lag=cfg.max_lag,
+        budget=budget,
+        learner_platform=learner_device.platform,
     ) as be:
         # The workers start and compile in the background while the learner compiles here.
         warm_up_learner()
         be.wait_ready()
+        actors = getattr(be, "actors", ())
+        result.actor_devices = report.actor_devices(actors, cfg.backend)
+        unapplied = budget.unapplied([a.cpus for a in actors])
+        if unapplied:  # read from the actors, not assumed
+            result.cpu_budget += f"; {unapplied}"
         print(
-            f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any iteration)",
+            f"start-up: done in {time.perf_counter() - started:.1f}s (not counted in any iteration); "
+            f"{report.devices_line(result.learner_device, result.actor_devices)}; CPU budget: {result.cpu_budget}",
             file=out,
             flush=True,
         )
@@ -147,11 +167,19 @@ def train(
             # Stock unpickling may finish copying into JAX's buffers asynchronously: count
             # that as transport, not as the learner's time.
             jax.block_until_ready([(r.traj, r.carry) for r in results])
+            if it == 0:
+                result.trajectories_on = _devices_of([r.traj for r in results])
+            # Received arrays land on this process's default device (the learner's); any that
+            # did not are moved there, as part of the transport.
+            trajs = [_on_device(r.traj, learner_device) for r in results]
+            carries = [_on_device(r.carry, learner_device) for r in results]
+            jax.block_until_ready((trajs, carries))
             gathered = time.perf_counter()
-            trajs = [r.traj for r in results]
-            carries = [r.carry for r in results]
             slowest = max(results, key=lambda r: float(r.compute_s))
             compute = float(slowest.compute_s)
+            compute_mean = sum(float(r.compute_s) for r in results) / len(results)
+            cpu_s = [float(r.cpu_s) for r in results if r.cpu_s is not None]
+            actor_cpu = sum(cpu_s) if len(cpu_s) == len(results) else None
             act = None if slowest.act_s is None else float(slowest.act_s)
             # Streaming actors (--backend queue/threads) report how many parameter versions
             # behind the learner each trajectory's policy was, and overlap compute with the
@@ -184,14 +212,41 @@ def train(
                 transport_s=max(wall - compute - learner, 0.0),
                 lag=lag,
                 act_s=act,
+                compute_mean_s=compute_mean,
+                actor_cpu_s=actor_cpu,
             )
             result.iterations.append(stats)
             bar.clear()
             print(report.iteration_line(stats, cfg, warmup=it < cfg.warmup), file=out, flush=True)
             bar.update(it + 1, stats)
     bar.finish()
+    result.params_on = _devices_of(params)
     result.params_sha256 = params_digest(params)
     return result
+
+
+def _devices_of(tree) -> str:
+    """The devices the jax.Arrays of ``tree`` are on (``_report.device_of``), or ``host``."""
+    import jax
+
+    found: dict[str, None] = {}
+    for leaf in jax.tree.leaves(tree):
+        for d in getattr(leaf, "devices", lambda: ())():
+            found[report.device_of(d)] = None
+    return ", ".join(found) or "host (numpy)"
+
+
+def _on_device(tree, device):
+    """``tree`` with every jax.Array that is not on ``device`` alone moved there."""
+    import jax
+
+    def put(x):
+        devices = getattr(x, "devices", None)
+        if devices is None or devices() == {device}:
+            return x
+        return jax.device_put(x, device)
+
+    return jax.tree.map(put, tree)
 
 
 def params_digest(params) -> str:
@@ -312,6 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
         "learner corrects with truncated importance weights)",
     )
     p.add_argument(
+        "--cpus-per-actor",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the actors' CPU budget (--backend pool/queue, Linux): each actor process pinned to N "
+        "cores of its own (sched_setaffinity, before JAX starts there; its XLA and OpenMP thread "
+        "pools sized to N), the learner keeping the rest; 0: none; more than there are cores: "
+        "actors share them round-robin. Default: automatic when the actors and the learner fill "
+        "the cores (workers + 1 >= cores, 2 <= workers <= cores - 1): (cores - 1) // workers each",
+    )
+    p.add_argument(
         "--task-timeout",
         type=float,
         default=d.task_timeout,
@@ -337,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table_lr=args.table_lr,
         task_timeout=args.task_timeout,
         max_lag=args.max_lag,
+        cpus_per_actor=args.cpus_per_actor,
         seed=args.seed,
         warmup=args.warmup,
         **given,

@@ -18,7 +18,8 @@ class Config:
     (16 envs x 128 steps x 84x84 frames = 14 MiB per worker per iteration), 32 MiB of
     parameters broadcast per iteration. ``env``: ``"cartpole"`` (in ``jax.numpy``) or an ALE
     game (``"pong"``; the ``atari`` extra), whose defaults are :data:`ATARI_DEFAULTS` when
-    made with :meth:`for_env`."""
+    made with :meth:`for_env`. ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None:
+    automatic, 0: none)."""
 
     backend: str = "pool"
     env: str = "cartpole"
@@ -38,6 +39,7 @@ class Config:
     warmup: int = 1
     task_timeout: float = 600.0
     max_lag: int = 1
+    cpus_per_actor: int | None = None
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -53,6 +55,8 @@ class Config:
             raise ValueError(f"--max-lag must be >= 0, got {self.max_lag!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup!r}")
+        if self.cpus_per_actor is not None and self.cpus_per_actor < 0:
+            raise ValueError(f"--cpus-per-actor must be >= 0 (0: no budget), got {self.cpus_per_actor!r}")
         if self.backend not in backends.BACKENDS:
             raise ValueError(f"--backend must be one of {backends.BACKENDS}, got {self.backend!r}")
         if self.address is not None and self.backend != "ray":
@@ -96,6 +100,10 @@ class IterationStats:
     transport_s: float  # wall - compute - learner
     lag: float | None = None  # --backend queue: mean parameter versions behind the learner
     act_s: float | None = None  # Atari: slowest actor's time choosing actions (of compute_s)
+    compute_mean_s: float | None = None  # the workers' mean rollout time (compute_s: the slowest)
+    # CPU seconds the actors' processes spent in their rollouts, summed over the actors (None
+    # where not measured): over compute_s, how many cores the actors kept busy.
+    actor_cpu_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -108,6 +116,16 @@ class RunResult:
     # SHA-256 of the learner's final parameters (every leaf's bytes, in tree order): two runs
     # whose every update was the same, bit for bit, end with the same digest.
     params_sha256: str = ""
+    # Where things ran, as read at run time (``_report.describe_device``): the learner's JAX
+    # device, the actors' (each actor's own report, grouped), where the first iteration's
+    # trajectories arrived before the loop moved any, and the final parameters' device.
+    learner_device: str = ""
+    actor_devices: str = ""
+    trajectories_on: str = ""
+    params_on: str = ""
+    # The actors' CPU budget (``_cpus``): cores per actor (0: none) and the report's line.
+    cpus_per_actor: int = 0
+    cpu_budget: str = ""
 
     @property
     def timed(self) -> list[IterationStats]:

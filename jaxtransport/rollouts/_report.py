@@ -80,7 +80,44 @@ def iteration_line(s: IterationStats, cfg: Config, warmup: bool) -> str:
     )
 
 
-def environment() -> str:
+def describe_device(platform_name: str, device_kind: str) -> str:
+    """``"TPU v5 lite (tpu)"``; a CPU device is just ``"cpu"``."""
+    if device_kind.lower() == platform_name.lower() or not device_kind:
+        return platform_name
+    return f"{device_kind} ({platform_name})"
+
+
+def device_of(device) -> str:
+    """:func:`describe_device` of a ``jax.Device``."""
+    return describe_device(device.platform, device.device_kind)
+
+
+def actor_devices(infos: Sequence, backend: str) -> str:
+    """Where the actors run, from each actor's own report (``_worker.ActorInfo``): ``"cpu (2
+    processes)"``, one entry per distinct device. Empty when there are no reports."""
+    if not infos:
+        return ""
+    counts: dict[str, int] = {}
+    for info in infos:
+        key = describe_device(info.platform, info.device_kind)
+        counts[key] = counts.get(key, 0) + 1
+    one, many = {"ray": ("Ray actor", "Ray actors"), "threads": ("thread", "threads")}.get(
+        backend, ("process", "processes")
+    )
+    return ", ".join(f"{dev} ({n} {one if n == 1 else many})" for dev, n in counts.items())
+
+
+def devices_line(learner: str, actors: str) -> str:
+    """``"learner: TPU v5 lite (tpu); actors: cpu (2 processes)"``."""
+    parts = [f"learner: {learner}"] if learner else []
+    if actors:
+        parts.append(f"actors: {actors}")
+    return "; ".join(parts)
+
+
+def environment(learner: str = "", actors: str = "") -> str:
+    """Versions and the machine; with ``learner``/``actors`` (:func:`device_of`,
+    :func:`actor_devices`), the devices the run used."""
     import jax
 
     try:
@@ -89,9 +126,10 @@ def environment() -> str:
         ray_version = ray.__version__
     except ImportError:
         ray_version = "not installed"
+    devices = devices_line(learner, actors)
     return (
         f"python {platform.python_version()}, jax {jax.__version__}, ray {ray_version}, "
-        f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}"
+        f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}" + (f"; {devices}" if devices else "")
     )
 
 
@@ -162,9 +200,16 @@ def summary_table(runs: Sequence[RunResult]) -> str:
         f"{cfg.steps} steps, {frames}); policy "
         f"{runs[0].param_bytes / MiB:.1f} MiB; figures over {timed} iterations after "
         f"{min(cfg.warmup, len(runs[0].iterations) - timed)} warm-up.",
-        f"Environment: {environment()}.",
-        "transport = iteration wall time - slowest worker's compute - learner update.",
+        f"Environment: {environment(runs[0].learner_device, runs[0].actor_devices)}.",
     ]
+    if runs[0].trajectories_on or runs[0].params_on:
+        head.append(
+            f"Trajectories arrived on: {runs[0].trajectories_on or '?'}; parameters broadcast from: "
+            f"{runs[0].params_on or '?'}."
+        )
+    if runs[0].cpu_budget:
+        head.append(f"CPU budget: {runs[0].cpu_budget}.")
+    head.append("transport = iteration wall time - slowest worker's compute - learner update.")
     if cfg.backend in ("queue", "threads"):
         head.append(
             f"Streaming actors (--max-lag {cfg.max_lag}): actors compute while the learner updates, "

@@ -20,12 +20,14 @@ correction for the streaming actors' stale parameters (``--max-lag``).
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from .. import _os
 from . import _atari as atari
 from . import _env as env
 from . import _policy as policy
@@ -36,13 +38,34 @@ class Rollout(NamedTuple):
     the trajectory, the environments' carry, the seconds the rollout took in its actor
     (``compute_s``), of which choosing actions (``act_s``; ``None`` for CartPole, whose acting
     is fused into the jitted scan), and the off-policy lag in parameter versions (``None``
-    where the data is on-policy by construction)."""
+    where the data is on-policy by construction), and the CPU seconds the actor's process
+    spent in the rollout, all its threads together (``cpu_s``; ``None`` where not measured:
+    Atari, actor threads)."""
 
     traj: Any
     carry: Any
     compute_s: float
     act_s: float | None = None
     lag: float | None = None
+    cpu_s: float | None = None
+
+
+class ActorInfo(NamedTuple):
+    """Where an actor runs, as it reads it itself once warmed up: its process, its JAX default
+    device (``platform``, ``device_kind``) and the cores it may run on (None: the host has no
+    affinity masks)."""
+
+    pid: int
+    platform: str
+    device_kind: str
+    cpus: tuple[int, ...] | None
+
+
+def actor_info() -> ActorInfo:
+    """This process's (or actor thread's) :class:`ActorInfo`; initialises JAX here."""
+    device = jax.devices()[0]
+    cpus = _os.cpu_affinity()
+    return ActorInfo(os.getpid(), device.platform, device.device_kind, None if cpus is None else tuple(sorted(cpus)))
 
 
 class Carry(NamedTuple):
@@ -119,10 +142,22 @@ def rollout(params, carry: Carry, key, frame_size: int, steps: int):
     # Arguments that just arrived may still be landing on the device (an unpickled array's
     # host-to-device copy runs asynchronously): that is receiving, not computing.
     jax.block_until_ready((params, carry, key))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     traj, carry = _rollout(params, carry, key, frame_size=frame_size, steps=steps)
     jax.block_until_ready((traj, carry))
+    _last_cpu[0] = time.process_time() - cpu
     return traj, carry, time.perf_counter() - start
+
+
+_last_cpu: list[float | None] = [None]  # this process's CPU seconds in its last rollout()
+
+
+def take_cpu_s() -> float | None:
+    """The CPU seconds this process (all its threads) spent in its last :func:`rollout`, once
+    (then None): how many cores an actor keeps busy, with its wall time. Meaningless in an
+    actor thread, whose process is the learner's."""
+    cpu, _last_cpu[0] = _last_cpu[0], None
+    return cpu
 
 
 def run_task(params, *task):
@@ -131,7 +166,8 @@ def run_task(params, *task):
     steps)`` with an ``_atari.Spec`` runs ``_atari.rollout_task``. Returns a :class:`Rollout`."""
     if task and isinstance(task[0], atari.Spec):
         return Rollout(*atari.rollout_task(params, *task))
-    return Rollout(*rollout(params, *task))
+    traj, carry, compute = rollout(params, *task)
+    return Rollout(traj, carry, compute, cpu_s=take_cpu_s())
 
 
 def _features(traj: Trajectory, frame_size: int) -> jax.Array:
