@@ -24,6 +24,8 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
   socket pairs, non-blocking sockets, ``select()`` and ``multiprocessing.connection.wait``.
 - CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity``, ``/proc``, pidfd;
   elsewhere ``os.cpu_count``, ``sysconf``, ``kill(pid, 0)``.
+- starting processes (``_starts``): the standard spawn and forkserver contexts, whose children
+  are told the start method jaxtransport chose (Note [the child's start method]).
 
 ``JAXTRANSPORT_PLATFORM`` (``_mode``) selects a column on any host: ``portable`` or ``inband``
 (unset, ``auto``: feature detection). Spawned workers inherit it. Callers import this package's
@@ -78,6 +80,7 @@ from ._segments import (
     populate_method,
     segment_kind,
 )
+from ._starts import start_context
 
 __all__ = [
     "DONTWAIT",
@@ -125,6 +128,7 @@ __all__ = [
     "send_fd",
     "send_message",
     "send_some",
+    "start_context",
     "stream_locks",
     "try_lock_range",
     "unlock_range",
