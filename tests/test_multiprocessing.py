@@ -476,7 +476,10 @@ def test_passthrough_names():
     ctx = jmp.get_context("spawn")
     import multiprocessing
 
-    assert ctx.Process is multiprocessing.get_context("spawn").Process
+    # The standard Process, whose children are told the start method "spawn" (Note [the
+    # child's start method] in jaxtransport/_os; tests/test_nested.py).
+    assert issubclass(ctx.Process, multiprocessing.get_context("spawn").Process)
+    assert ctx.Process._start_method == "spawn"
     assert jmp.cpu_count() == multiprocessing.cpu_count()
     lock = jmp.Lock()
     with lock:
