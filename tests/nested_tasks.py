@@ -19,6 +19,10 @@ def start_method_here(_=None):
     return multiprocessing.get_start_method(allow_none=True)
 
 
+def put_start_method(q):
+    q.put(start_method_here())
+
+
 def put_double(q, x):
     q.put(x * 2)
 
