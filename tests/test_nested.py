@@ -141,18 +141,21 @@ def test_inside_a_daemonic_worker_the_refusals_stay(start_method):
         assert "daemonic processes are not allowed to have children" in got["multiprocessing"], (host, got)
 
 
-# A main script that stops every child at start-up (each re-runs it as __mp_main__), and an
-# initializer that cannot be pickled (the parent fails to start a worker): two ways a pool fails
-# to start. Afterwards nothing may be left: no child process, no /dev/shm entry (checked by the
-# test), no semaphore for the resource tracker to report at exit, even when the process then ends
-# without running any finalizer (os._exit, as a loky worker that joblib kills after an error).
+# Two ways a pool fails to start: a main script that stops every child at start-up (each re-runs
+# it as __mp_main__; only while the file STOP exists), and an initializer argument that pickles
+# once (the second worker fails to start in the parent, after the first one started).
+# Afterwards nothing may be left: no child process, no /dev/shm entry (checked by the test), no
+# semaphore for the resource tracker to report at exit, even when the process then ends without
+# running any finalizer (os._exit, as a loky worker that joblib kills after an error).
 FAILS_TO_START = """
-import os, sys, threading
-if __name__ == "__mp_main__":
+import os, sys
+STOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "STOP")
+if __name__ == "__mp_main__" and os.path.exists(STOP):
     raise SystemExit("this script stops every child at start-up, on purpose")
 import multiprocessing
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
+from tests.nested_tasks import PicklesOnce, noop
 
 def children():
     from multiprocessing import forkserver, resource_tracker
@@ -172,15 +175,19 @@ def children():
 if __name__ == "__main__":
     method = sys.argv[1]
     for face, make in (("pool", jt.Pool), ("executor", jt.Executor)):
+        open(STOP, "w").close()
         try:
             with make(2, start_method=method) as p:
                 p.submit(abs, -1).result() if face == "executor" else p.apply(abs, (-1,))
         except Exception as e:
             print("FAILED", face, type(e).__name__, flush=True)
+        os.remove(STOP)
+        PicklesOnce.pickled = 0
         try:
-            make(2, initializer=print, initargs=(threading.Lock(),), start_method=method)
+            make(2, initializer=noop, initargs=(PicklesOnce(),), start_method=method)
         except Exception as e:
-            print("FAILED", face, "unpicklable initializer", type(e).__name__, flush=True)
+            print("FAILED", face, "second start", type(e).__name__, flush=True)
+    open(STOP, "w").close()
     proc = jmp.get_context(method).Process(target=print)
     proc.start()
     proc.join(60)
@@ -210,9 +217,9 @@ def test_a_pool_that_fails_to_start_leaves_nothing_behind(tmp_path, start_method
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
     assert failed == [
         "FAILED pool WorkerLostError",
-        "FAILED pool unpicklable initializer TypeError",
+        "FAILED pool second start TypeError",
         "FAILED executor WorkerLostError",
-        "FAILED executor unpicklable initializer TypeError",
+        "FAILED executor second start TypeError",
         "FAILED multiprocessing exit code 1",
     ], out[-6000:]
     assert "CHILDREN []" in proc.stdout, out[-6000:]
