@@ -24,7 +24,8 @@ the user's own ``multiprocessing``) is untouched. The forkserver's server proces
 child it forks gets the full data through ``popen_forkserver``, so it is covered here. Where a
 future CPython no longer makes that call (the probe in :func:`_told_popen`), the stock Popen is
 used: the behaviour before this module, correct wherever the default start method is a
-standard one.
+standard one; tests/test_multiprocessing.py (run on the newest and the oldest Python in CI)
+then fails, which is the signal to revisit this module.
 """
 
 from __future__ import annotations
