@@ -4,11 +4,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
-# Ray, joblib and diskcache, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, matplotlib
-# and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
+# Ray, joblib and diskcache, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, joblib,
+# matplotlib, loky and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
 # `make venv` is what `make test` installs (development, the docs tools included: the suite
 # builds the documentation site). `make lint` adds ruff and mypy; `make docs` builds the site
-# (docs/, Sphinx) into the git-ignored docs/_build/html, offline, warnings as errors.
+# (docs/, Sphinx) into the git-ignored docs/_build/html, offline, warnings as errors; it installs
+# Ray and joblib too (the API page imports jaxtransport.ray and jaxtransport.joblib).
+# Each target must work as the first command on a fresh clone: its stamp installs every extra
+# that what it runs imports (tests/test_make_targets.py checks this against pyproject.toml).
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -71,7 +74,7 @@ $(LINT_STAMP): pyproject.toml | $(PY)
 	touch $(LINT_STAMP)
 
 $(DOCS_STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,docs]'
+	$(PIP) -e '.[ray,joblib,docs]'
 	touch $(DOCS_STAMP)
 
 venv: $(STAMP)

@@ -476,8 +476,11 @@ def test_passthrough_names():
     ctx = jmp.get_context("spawn")
     import multiprocessing
 
-    # The start method's own Process, plus the device plan's variables (jaxtransport/_devices).
+    # The standard Process, whose children are told the start method "spawn" (Note [the
+    # child's start method] in jaxtransport/_os; tests/test_nested.py), plus the device plan's
+    # variables (jaxtransport/_devices).
     assert issubclass(ctx.Process, multiprocessing.get_context("spawn").Process)
+    assert ctx.Process._start_method == "spawn"
     assert ctx.Process is jmp.get_context("spawn").Process
     assert jmp.cpu_count() == multiprocessing.cpu_count()
     lock = jmp.Lock()
@@ -780,3 +783,50 @@ def test_a_message_with_more_segments_than_one_packet_carries(monkeypatch, no_fd
     finally:
         stop(p, q_in)
         q.close(), q_in.close(), q_out.close()
+
+
+# A process whose default start method is a context only it has (as in a loky worker: loky
+# registers its "loky" context this way). multiprocessing would hand that name to every spawned
+# child, which cannot set it and dies at start-up ("cannot find context"); jaxtransport's
+# children are told the start method jaxtransport chose (Note [the child's start method] in
+# jaxtransport/_os; loky itself, per start method, in tests/test_nested.py).
+FOREIGN_DEFAULT = """
+import multiprocessing, multiprocessing.context
+import jaxtransport as jt
+import jaxtransport.multiprocessing as jmp
+from tests.nested_tasks import put_start_method, start_method_here
+
+class Elsewhere(multiprocessing.context.SpawnContext):
+    _name = "elsewhere"
+
+
+if __name__ == "__main__":
+    multiprocessing.context._concrete_contexts["elsewhere"] = Elsewhere()
+    multiprocessing.set_start_method("elsewhere")
+    ctx = jmp.get_context({method!r})
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=put_start_method, args=(q,))
+    p.start()
+    p.join(60)
+    print("PROCESS", p.exitcode, q.get() if p.exitcode == 0 else None, flush=True)
+    with ctx.Manager() as m:
+        print("MANAGER", m.dict(a=1)["a"], flush=True)
+    with jt.Pool(1, start_method={method!r}) as pool:
+        print("POOL", pool.apply(start_method_here), flush=True)
+    stock = multiprocessing.get_context({method!r}).Process(target=print)
+    stock.start()
+    stock.join(60)
+    print("STOCK", stock.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_children_get_the_chosen_start_method_not_the_callers_default(method):
+    proc = run_python(FOREIGN_DEFAULT.format(method=method), timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"PROCESS 0 {method}" in proc.stdout, out[-4000:]
+    assert "MANAGER 1" in proc.stdout, out[-4000:]
+    assert f"POOL {method}" in proc.stdout, out[-4000:]
+    assert "STOCK 1" in proc.stdout, out[-4000:]  # the standard library's own child: cannot find context
+    assert "leaked" not in proc.stderr, out[-4000:]

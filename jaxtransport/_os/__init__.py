@@ -25,6 +25,8 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
 - CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity`` (and ``sched_setaffinity``,
   to pin a process to cores), ``/proc``, pidfd; elsewhere ``os.cpu_count``, ``sysconf``,
   ``kill(pid, 0)`` (and no pinning).
+- starting processes (``_starts``): the standard spawn and forkserver contexts, whose children
+  are told the start method jaxtransport chose (Note [the child's start method]).
 
 ``JAXTRANSPORT_PLATFORM`` (``_mode``) selects a column on any host: ``portable`` or ``inband``
 (unset, ``auto``: feature detection). Spawned workers inherit it. Callers import this package's
@@ -89,6 +91,7 @@ from ._segments import (
     populate_method,
     segment_kind,
 )
+from ._starts import start_context
 
 __all__ = [
     "DONTWAIT",
@@ -138,6 +141,7 @@ __all__ = [
     "send_message",
     "send_some",
     "set_cpu_affinity",
+    "start_context",
     "stream_locks",
     "try_lock_range",
     "unlock_range",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 from multiprocessing.context import BaseContext
 
+from .. import _os
 from .._procenv import fork_refused
 
 __all__ = ["METHODS", "available_methods", "check_method", "default_method", "set_default_method", "std_context"]
@@ -49,5 +50,6 @@ def available_methods() -> list[str]:
 
 
 def std_context(method: str | None = None) -> BaseContext:
-    """The standard library's context of ``method`` (None: the default start method)."""
-    return multiprocessing.get_context(default_method() if method is None else method)
+    """The standard library's context of ``method`` (None: the default start method), whose
+    processes are told that start method (Note [the child's start method] in ``_os``)."""
+    return _os.start_context(default_method() if method is None else method)

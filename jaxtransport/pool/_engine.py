@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import itertools
-import multiprocessing
 import os
 import threading
 import time
@@ -124,7 +123,7 @@ class Engine:
         futures: bool = False,
         preload_jax: bool = False,
     ):
-        self.ctx = multiprocessing.get_context(start_method)
+        self.ctx = _os.start_context(start_method)  # children told this method (Note [the child's start method])
         self.tree_type = tree_type  # SharedTree: what travels as a broadcast handle
         self.start_method = start_method
         self.processes = processes

@@ -75,6 +75,8 @@ class Books(Protocol):
     def waker(self) -> _os.Wake: ...
     @property
     def placement(self) -> str: ...
+    @property
+    def start_method(self) -> str: ...  # "spawn" or "forkserver": what the workers are told
 
     dispatch_asked: bool  # a caller queued a chunk for the manager to dispatch (lock held to set or clear)
 
@@ -520,7 +522,7 @@ class Manager:
             if spawn_error is None and not w.reached_worker_code():
                 # It died running the main script as __mp_main__: show why (no lock held).
                 why = "It died while starting up, before any jaxtransport code ran in it. " + diagnose_start(
-                    engine.worker_environ(w.index)
+                    engine.worker_environ(w.index), engine.start_method
                 )
             else:
                 why = (

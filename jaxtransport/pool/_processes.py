@@ -205,9 +205,9 @@ multiprocessing.spawn.prepare(data)
 DIAGNOSIS_TIMEOUT_S = 60.0
 
 
-def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
+def diagnose_start(env: dict, start_method: str, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
     """Why workers die while bootstrapping, found by running the same bootstrap (the main
-    script as ``__mp_main__``, with the worker's environment) in a fresh interpreter whose
+    script as ``__mp_main__``, with the worker's environment and start method) in a fresh interpreter whose
     stderr is captured: a sentence and the tail of that stderr. Run only once a pool breaks
     (a process start, seconds); bounded by ``timeout`` (its process group is killed then)."""
     import multiprocessing.spawn
@@ -215,6 +215,7 @@ def diagnose_start(env: dict, timeout: float = DIAGNOSIS_TIMEOUT_S) -> str:
 
     data = multiprocessing.spawn.get_preparation_data("jaxtransport-pool-diagnosis")
     data.pop("authkey", None)
+    data["start_method"] = start_method  # what the workers are told (Note [the child's start method] in _os)
     child_env = dict(os.environ)
     for k, v in env.items():
         if v is None:
