@@ -539,6 +539,24 @@ def _device() -> None:
         if stock:
             FIGURES[f"{tag}.stock.s"] = F("device", "seconds", "s", name=name, transport=stock)
             FIGURES[f"{tag}.speedup"] = F("device", "speedup", "x", name=name, transport=jt)
+    # The demo with the learner on the device and the actors on the CPU (--rollouts).
+    for t, ttag in (("jaxtransport", "jt"), ("stock", "stock")):
+        FIGURES[f"device.rollouts.{ttag}.steps"] = F("device", "env_steps_per_s", "steps", name="rollouts", transport=t)
+        FIGURES[f"device.rollouts.{ttag}.s"] = F("device", "seconds", "s", name="rollouts", transport=t)
+        FIGURES[f"device.rollouts.{ttag}.transport_s"] = F("device", "transport_s", "s", name="rollouts", transport=t)
+    FIGURES["device.rollouts.ratio"] = F("device", "ratio", "x", name="rollouts", transport="jaxtransport")
+
+
+def _rollouts_scale() -> None:
+    # benchmarks/rollouts_scale.py: env steps/s with more actors, learner on the CPU or the device.
+    # Only the runs the published file holds (the TPU machine's device time ran out before the rest).
+    for backend, learner, actors in (("queue", "tpu", 2), ("queue", "tpu", 12)):
+        where = {"name": "rollouts-scale", "backend": backend, "learner": learner, "actors": actors}
+        tag = f"scale.{backend}.{learner}.{actors}"
+        FIGURES[f"{tag}.steps"] = F("rollouts_scale", "env_steps_per_s", "steps", **where)
+        FIGURES[f"{tag}.vs_2"] = F("rollouts_scale", "ratio_vs_2", "x", **where)
+        for field in ("actor_compute_s", "learner_s", "transport_s", "wall_s"):
+            FIGURES[f"{tag}.{field}"] = F("rollouts_scale", field, "s", **where)
 
 
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
@@ -553,6 +571,7 @@ _tasks()
 _joblib()
 _platforms()
 _device()
+_rollouts_scale()
 _previous()
 
 
