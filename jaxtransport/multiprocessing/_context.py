@@ -8,9 +8,9 @@ import multiprocessing.process
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import _connection, _queues
+from . import _connection, _process, _queues
 from ._methods import available_methods, check_method, default_method, set_default_method, std_context
-from ._process import DeviceEnvMixin, device_process_class
+from ._process import device_process_class
 
 if TYPE_CHECKING:
     from multiprocessing.managers import SyncManager
@@ -114,13 +114,20 @@ def get_all_start_methods() -> list[str]:
     return available_methods()
 
 
-class Process(DeviceEnvMixin, multiprocessing.process.BaseProcess):
+class Process(multiprocessing.process.BaseProcess):
     """``multiprocessing.Process`` started with this module's start method (spawn by default;
     never fork), with the devices jaxtransport's device plan gives a child (on a host whose TPU
     this process holds or may take: ``JAX_PLATFORMS=cpu``). Subclass it or pass ``target=`` as
     usual."""
 
     _start_method = None
+
+    def start(self) -> None:
+        """Start the process (``multiprocessing.Process.start``), with the device plan's variables."""
+        _process.start(self, super().start)
+
+    def __reduce__(self) -> tuple:
+        return _process.reduce(self)
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:

@@ -13,11 +13,12 @@ inherit the server's environment, not the parent's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from .. import _devices, _procenv
 
-__all__ = ["child_env", "device_process_class"]
+__all__ = ["child_env", "device_process_class", "reduce", "start"]
 
 
 def child_env() -> dict[str, str | None]:
@@ -28,33 +29,35 @@ def child_env() -> dict[str, str | None]:
     return plan.env(0)
 
 
-def _rebuild(cls: type, env: dict[str, str | None], std: type | None = None) -> Any:
+def _rebuild(cls: type | None, env: dict[str, str | None], std: type | None = None) -> Any:
     _procenv.apply_environ(env)
     if std is not None:  # a class device_process_class made: made again here
         cls = device_process_class(std)
-    return object.__new__(cls)
+    return object.__new__(cls)  # type: ignore[arg-type]
 
 
-class DeviceEnvMixin:
-    """Mixed into a ``multiprocessing`` process class: see the module docstring."""
+def start(process: Any, std_start: Callable[[], None]) -> None:
+    """``process.start()``: ``std_start`` (the standard ``start``) with the device plan's
+    variables in the environment, kept for :func:`reduce` to send along."""
+    env = child_env()
+    process._jt_env = env
+    with _procenv.environ_overlay(env):
+        std_start()
 
-    _jt_env: dict[str, str | None] | None = None
 
-    def start(self) -> None:
-        env = child_env()
-        self._jt_env = env
-        with _procenv.environ_overlay(env):
-            super().start()  # type: ignore[misc]
-
-    def __reduce__(self) -> tuple:
-        # (callable, args, state): pickle rebuilds the object, so applies the variables, before
-        # it unpickles the state (target, args, kwargs).
-        std = getattr(type(self), "_jt_std", None)
-        cls = DeviceEnvMixin if std is not None else type(self)
-        return (_rebuild, (cls, self._jt_env or {}, std), self.__dict__)
+def reduce(process: Any) -> tuple:
+    """``process.__reduce__()``: (callable, args, state), so that pickle rebuilds the object, and
+    with it applies the variables, before it unpickles the state (target, args, kwargs)."""
+    std = getattr(type(process), "_jt_std", None)
+    cls = type(process) if std is None else None
+    return (_rebuild, (cls, getattr(process, "_jt_env", None) or {}, std), process.__dict__)
 
 
 @functools.cache
 def device_process_class(std: type) -> type:
-    """``std`` (a start method's ``Process`` class) with :class:`DeviceEnvMixin`."""
-    return type(std.__name__, (DeviceEnvMixin, std), {"_jt_std": std})
+    """``std`` (a start method's ``Process`` class) started and pickled as above."""
+
+    def start_(self: Any) -> None:
+        start(self, lambda: std.start(self))  # type: ignore[attr-defined]
+
+    return type(std.__name__, (std,), {"_jt_std": std, "start": start_, "__reduce__": reduce})
