@@ -683,9 +683,15 @@ def _device_errors_explained(fn: _F) -> _F:
             return fn(*args, **kwargs)
         except RuntimeError as e:
             explained = _devices.explain(e)
-            if explained is e:
+            try:
+                if explained is not e:
+                    raise explained from e
                 raise
-            raise explained from e
+            finally:
+                # No local may keep the exception: its traceback holds this frame, and a
+                # cycle through the caller's buffers is freed by the garbage collector while
+                # an array may still use them (see tests/_fuzz_decode.py on memoryview tp_clear).
+                del explained
 
     return wrapped  # type: ignore[return-value]
 

@@ -77,7 +77,12 @@ def _synthetic_rows(failed: str | None = None) -> list[dict]:
             rows.append(device._row(name, 256 << 20, transport, error="RuntimeError: boom"))
         else:
             rows.append(device._row(name, 256 << 20, transport, [0.1 + i / 100, 0.2 + i / 100, 0.3 + i / 100]))
-    return device.finish(rows)
+    rows = device.finish(rows)
+    for transport, steps, seconds in (("stock", 10_000.0, 0.4), ("jaxtransport", 25_000.0, 0.16)):  # --rollouts
+        rows.append({"name": "rollouts", "size_bytes": 0, "transport": transport, "seconds": seconds, "runs": 3,
+                     "min": seconds, "max": seconds, "env_steps_per_s": steps, "ratio": steps / 10_000.0,
+                     "transport_s": seconds / 2})
+    return rows
 
 
 def _results(tmp_path, rows) -> str:

@@ -209,6 +209,25 @@ def test_a_busy_device_is_explained():
     assert _devices.explain(other) is other
 
 
+def test_a_decode_that_cannot_open_the_device_says_why(monkeypatch):
+    """jt.loads (any process's decode) explains a chip held by another process; every other
+    error passes through as it was."""
+    from jaxtransport import _compat
+
+    data, bufs = jt.dumps(jnp.arange(8.0))
+
+    def busy(*args, **kwargs):
+        raise RuntimeError(_LOCK_TEXT)
+
+    monkeypatch.setattr(_compat, "put_on_default_device", busy)
+    with pytest.raises(jt.DeviceUnavailableError, match="another process holds it") as info:
+        jt.loads(data, bufs)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.undo()
+    with pytest.raises(jt.CorruptTransferError):
+        jt.loads(data, [b"\0" * 3])
+
+
 def _raise_busy():
     raise RuntimeError(_LOCK_TEXT)
 
