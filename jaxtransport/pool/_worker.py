@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _os, _procenv
 from .._errors import CorruptTransferError
+from ._config import WorkerConfig
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -65,24 +66,6 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
     global CURRENT
     CURRENT = _Worker(conn, fdsock, cfg, cell, claim, init)
     CURRENT.run()
-
-
-class WorkerConfig(NamedTuple):
-    """What a worker starts with, built by the parent (``Engine.start_worker``) and pickled into
-    the worker ``Process``'s arguments. Defined here, not in ``_protocol``: the worker unpickles
-    it before it applies ``env``, so its module must import nothing that reads the environment
-    (numpy, JAX)."""
-
-    parent_pid: int  # the worker exits when this process is gone
-    threshold: int | None  # arrays of at least this many bytes go back through shared memory
-    placement: str  # where received arrays go ("device", "host", "preserve")
-    capacity: int  # the worker's own arena (its results), in bytes
-    futures: bool  # an Executor's worker: concurrent.futures' error reporting
-    maxtasks: int | None  # chunks before it leaves (maxtasksperchild)
-    grace: float  # how long a result waits for the parent to release memory
-    reserve: int  # bytes of result segments made while it starts (Pool(shm_reserve=...))
-    preload_jax: bool  # import JAX in the background once ready
-    env: dict  # the environment variables it applies first (``_procenv.worker_env``)
 
 
 CURRENT = None  # the running worker (for introspection and tests)
