@@ -315,6 +315,49 @@ def test_numpy_only_work_never_imports_jax(tmp_path):
     ], proc.stdout + proc.stderr[-2000:]
 
 
+_START_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing.process, sys
+    import numpy as np
+    import jaxtransport as jt
+
+    engine_loaded_at_start = []
+    _start = multiprocessing.process.BaseProcess.start
+
+    def recording_start(self):
+        engine_loaded_at_start.append("jaxtransport.pool._engine" in sys.modules)
+        _start(self)
+
+    def shm_modules(x=None):
+        import sys
+        return sorted(m for m in ("jaxtransport._shm._arena", "jaxtransport._shm._mapper") if m in sys.modules)
+
+    if __name__ == "__main__":
+        multiprocessing.process.BaseProcess.start = recording_start
+        with jt.Pool(2) as p:
+            print("engine loaded at each start", engine_loaded_at_start)
+            print("small", p.apply(shm_modules, (np.ones(10),)))
+            big = p.apply(np.ones, ((1 << 20,),))  # 8 MiB both ways: through shared memory
+            print("large", p.apply(shm_modules, (big,)), float(big.sum()))
+        print("worker code in the parent", "jaxtransport.pool._worker" in sys.modules)
+    """
+)
+
+
+def test_pool_starts_workers_first_and_they_import_only_what_tasks_need():
+    """Note [launch first]: Pool() starts its workers before it imports its engine (their start
+    overlaps its imports), the parent never imports the worker's code, and a worker makes its
+    shared-memory arena and mapper (and imports them) only once a task or result needs them."""
+    proc = run_python(_START_SCRIPT, env={"JAX_PLATFORMS": "cpu"}, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "engine loaded at each start [False, False]",
+        "small []",
+        f"large ['jaxtransport._shm._arena', 'jaxtransport._shm._mapper'] {float(1 << 20)}",
+        "worker code in the parent False",
+    ], proc.stdout + proc.stderr[-2000:]
+
+
 def jax_in_worker(_=None):
     return "jax" in sys.modules
 

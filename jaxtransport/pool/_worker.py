@@ -78,7 +78,7 @@ class _Worker:
     def __init__(self, conn, fdsock, cfg: WorkerConfig, cell=None, claim=None, init: tuple | None = None):
         import cloudpickle  # noqa: F401  (functions arrive pickled by value)
 
-        from .. import _shm, _wire
+        from .. import _wire
         from . import _protocol
 
         self.wire = _wire
@@ -97,14 +97,17 @@ class _Worker:
         self.frames = BufferedFrames(conn)
         self.placement = cfg.placement
         self.threshold = cfg.threshold
-        self.arena = _shm.Arena(cfg.capacity, label=f"pool worker {os.getpid()}")
+        # Its own arena (results through shared memory) and its view of the parent's segments
+        # are made at first use: a worker whose tasks need no shared memory never imports them
+        # (Note [launch first] in _launch).
+        self._arena: Any = None
+        self._mapper: Any = None
         if cfg.reserve:
             # Pool(shm_reserve=...): segments for results, made while this worker starts.
             try:
                 self.arena.reserve(cfg.reserve)
             except BaseException as e:  # noqa: BLE001 - the first result that needs memory raises it
                 self.arena.reserve_error = e
-        self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
         self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
         self.held_trees: dict[int, Any] = {}  # id -> _wire.Held: its slots held, mapped once
@@ -114,6 +117,24 @@ class _Worker:
         self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
+
+    @property
+    def arena(self):
+        """This worker's arena (its results' shared memory), made at first use."""
+        if self._arena is None:
+            from .. import _shm
+
+            self._arena = _shm.Arena(self.cfg.capacity, label=f"pool worker {os.getpid()}")
+        return self._arena
+
+    @property
+    def mapper(self):
+        """The parent's segments as this worker maps them, made at first use."""
+        if self._mapper is None:
+            from .. import _shm
+
+            self._mapper = _shm.Mapper(self.fdsock, label="the pool's parent")
+        return self._mapper
 
     # -- sending
     def send(self, msg) -> None:
@@ -143,8 +164,8 @@ class _Worker:
             self.sent_segs.add(seg_id)
 
     def flush_releases(self) -> None:
-        rel = self.mapper.take_releases()
-        forgotten = self.arena.take_forgotten()
+        rel = self._mapper.take_releases() if self._mapper is not None else None
+        forgotten = self._arena.take_forgotten() if self._arena is not None else None
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
@@ -281,8 +302,9 @@ class _Worker:
             if self.backlog:
                 msg = self.backlog.pop(0)  # one queued by wait_for_release
             else:
-                busy = self.mapper.pending or self.arena.has_forgotten()
-                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
+                m, a = self._mapper, self._arena  # None until shared memory is used
+                busy = (m is not None and m.pending) or (a is not None and a.has_forgotten())
+                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if m is not None and m.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -391,8 +413,9 @@ class _Worker:
         del out
         if segs:
             self.send_fds(segs)
-        rel = self.mapper.take_releases() if (self.mapper.pending or self.mapper.live) else []
-        forgotten = self.arena.take_forgotten() if self.arena.has_forgotten() else None
+        m, a = self._mapper, self._arena
+        rel = m.take_releases() if m is not None and (m.pending or m.live) else []
+        forgotten = a.take_forgotten() if a is not None and a.has_forgotten() else None
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
