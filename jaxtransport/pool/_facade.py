@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import _nojax, _os, _procenv, _shm, _usercode
+from .. import _mainguard, _nojax, _os, _procenv, _shm
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer, first_tracer
 from ._launch import Spec, abandon
@@ -139,7 +139,7 @@ class Pool:
                 "of another Pool (daemonic processes may not have children). Run the nested work "
                 "in the task itself, or return it to the parent and submit it to the outer pool."
             )
-        unguarded = _usercode.unguarded_start("a jaxtransport.Pool")
+        unguarded = _mainguard.unguarded_start("a jaxtransport.Pool")
         if unguarded is not None:
             raise MainGuardError(unguarded)
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
