@@ -36,7 +36,7 @@ from .._entries import as_seq as _seq
 from .._entries import corrupt as _bad
 from .._entries import parse_handles
 from .._errors import ShmHandleError
-from .._pickling import PICKLE_PROTOCOL
+from .._nojax import PICKLE_PROTOCOL
 
 __all__ = [
     "KIND_OF",

@@ -72,17 +72,17 @@ CURRENT = None  # the running worker (for introspection and tests)
 # Results of only these exact types pickle the same with any pickler (no reducer, no array,
 # no name to look up): encode_results pickles them in one call.
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+# In every pickle that refers to anything of jaxtransport's (a reducer, an entry, by-value code,
+# the main script's names): its module names are spelled out in the pickle.
+_OURS = b"jaxtransport"
 
 
 class _Worker:
     def __init__(self, conn, fdsock, cfg: WorkerConfig, cell=None, claim=None, init: tuple | None = None):
-        import cloudpickle  # noqa: F401  (functions arrive pickled by value)
-
-        from .. import _wire
         from . import _protocol
 
-        self.wire = _wire
         self.protocol = _protocol
+        self._wire: Any = None  # the encoder, imported at first use (the ``wire`` property)
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
@@ -117,6 +117,17 @@ class _Worker:
         self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
+
+    @property
+    def wire(self):
+        """``jaxtransport._wire``, imported at first use: a task whose pickle names nothing of
+        jaxtransport's is read with ``pickle.loads``, and scalar results are pickled directly,
+        so a worker running such tasks never loads the encoder (Note [launch first])."""
+        if self._wire is None:
+            from .. import _wire
+
+            self._wire = _wire
+        return self._wire
 
     @property
     def arena(self):
@@ -295,6 +306,8 @@ class _Worker:
             return
         self.send(self.protocol.Ready(True, None))
         if cfg.preload_jax and "jax" not in sys.modules:
+            import numpy  # noqa: F401  (on this thread first: Note [JAX imported in the background])
+
             _start_jax_import()
         done = 0
         maxtasks = cfg.maxtasks
@@ -386,6 +399,10 @@ class _Worker:
                 fn, mode, items = self.wire.decode(
                     data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
                 )
+            elif type(data) is bytes and _OURS not in data:
+                # Nothing of jaxtransport's in it (no array of ours, no entry, no by-value
+                # code): no placement applies, plain pickle reads it as the encoder would.
+                fn, mode, items = pickle.loads(data)
             else:  # nothing in shared memory: only the pickle (under the placement, as decode)
                 fn, mode, items = self.wire.loads(data, self.placement)
             del data, entries, msg
@@ -474,6 +491,10 @@ class _Worker:
 # ``__import__``; jaxtransport's own code imports JAX with import statements. A task that does
 # not import JAX runs beside the import (sharing the GIL), and ``_nojax.jax_loaded()`` stays
 # False until the import is done, so encoding and decoding numpy data never touch JAX.
+# numpy is imported on the worker's own thread before the background import starts: JAX imports
+# it too, and numpy's own modules import each other in a cycle, so a task's first import of it
+# (the encoder's, loaded at first use since Note [launch first]) beside JAX's raised "partially
+# initialized module 'numpy._core._multiarray_umath'" (seen in test_pool_forwarding).
 
 _jax_import_done = threading.Event()
 _jax_import_thread: int | None = None
