@@ -23,7 +23,7 @@ import os
 import pickle
 from typing import Any, NamedTuple
 
-from .. import _devices, _os, _procenv
+from .. import _os, _procenv
 from . import _claim
 from ._config import WorkerConfig
 
@@ -80,7 +80,9 @@ class Spec:
         self.preload_jax = preload_jax  # workers import JAX in the background once ready
         self.env_overrides = dict(worker_env or {})
         # Who holds which device (raises here, before any worker starts, when devices_per_worker
-        # cannot be met).
+        # cannot be met). Imported here: a worker imports this module (``run_worker``), not it.
+        from .. import _devices
+
         self.devices = _devices.plan(processes, devices_per_worker=devices_per_worker, overrides=worker_env)
 
     def environ(self, index: int) -> dict:
