@@ -530,6 +530,17 @@ def _start_jax_import() -> None:
             _jax_import_done.set()
             if builtins.__import__ is gated:  # unless someone wrapped it after us (then a pass-through)
                 builtins.__import__ = original
+        # Then what the first jax.Array argument or result needs, which this worker's start left
+        # out (Note [launch first] in _launch): the encoder, the codec, the arena and the mapper
+        # (modules only: the objects are made at first use, on the worker's thread). Its
+        # modules import each other in no circle (tests/test_architecture), so a task importing
+        # one of them meanwhile waits for it, as for any module another thread is importing.
+        try:
+            from .. import _codec, _shm, _wire  # noqa: F401
+
+            _shm.Arena, _shm.Mapper  # noqa: B018 - their modules (PEP 562)
+        except Exception:  # noqa: BLE001 - the task that needs them raises it with its own context
+            pass
 
     thread = threading.Thread(target=run, name="jaxtransport-jax-import", daemon=True)
     builtins.__import__ = gated
