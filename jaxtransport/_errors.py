@@ -8,9 +8,11 @@ parent), so every class defines ``__reduce__`` over its constructor arguments.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 __all__ = [
     "ArrayDeletedError",
+    "BrokenExecutorError",  # defined on first use (_define_broken)
     "CorruptTransferError",
     "DeviceUnavailableError",
     "DtypeUnavailableError",
@@ -25,7 +27,7 @@ __all__ = [
     "TracerTransportError",  # noqa: F822 - defined on first use (_define_tracer_error)
     "TransportError",
     "UnsupportedArrayError",
-    "WorkerLostError",
+    "WorkerLostError",  # defined on first use (_define_broken)
 ]
 
 
@@ -95,9 +97,14 @@ def _tracer_error_class() -> type:
 
 
 def __getattr__(name: str) -> type:
-    # PEP 562: ``TracerTransportError`` subclasses a JAX class, so it is defined on first access.
+    # PEP 562: ``TracerTransportError`` subclasses a JAX class, so it is defined on first access;
+    # ``WorkerLostError`` and ``BrokenExecutorError`` subclass ``concurrent.futures``' class,
+    # which imports ``logging`` and more: a pool worker, which raises neither, never loads it
+    # (its start is the Pool's first result: Note [launch first] in ``pool._launch``).
     if name == "TracerTransportError":
         return _define_tracer_error()
+    if name in _BROKEN:
+        return _define_broken(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -151,27 +158,42 @@ class PlacementError(TransportError, ValueError):
 # jaxtransport.Pool and its shared memory
 
 
-def _broken_process_pool() -> type:
-    from concurrent.futures.process import BrokenProcessPool
-
-    return BrokenProcessPool
-
-
-class WorkerLostError(TransportError, _broken_process_pool()):  # type: ignore[misc]
-    """A pool worker died (SIGKILL, the OOM killer, ``os._exit``, a segfault) while it ran a task.
+_BROKEN = {
+    "WorkerLostError": """A pool worker died (SIGKILL, the OOM killer, ``os._exit``, a segfault) while it ran a task.
 
     Raised by the pending call instead of hanging (what ``multiprocessing.Pool`` does,
     python/cpython#66587). Subclasses ``concurrent.futures.process.BrokenProcessPool`` so that
     code written for ``ProcessPoolExecutor`` catches it too. The pool replaces the worker and
     keeps running other tasks; if workers keep dying before they are ready (a crashing
     initializer, a broken environment) the pool reports itself broken with this error.
-    """
-
-
-class BrokenExecutorError(TransportError, _broken_process_pool()):  # type: ignore[misc]
-    """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
+    """,
+    "BrokenExecutorError": """A ``jaxtransport.Executor``'s pool is broken (its workers keep dying at start, or its
     initializer failed): no call can run. A ``concurrent.futures.process.BrokenProcessPool``,
-    as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause."""
+    as ``ProcessPoolExecutor`` raises. Create a new executor after fixing the cause.""",
+}
+
+
+def _define_broken(name: str) -> type:
+    """``WorkerLostError`` or ``BrokenExecutorError``, a ``TransportError`` and a
+    ``BrokenProcessPool``, made once (on first access) and then a module attribute as any."""
+    with _DEFINE_LOCK:
+        defined = globals().get(name)
+        if defined is None:
+            from concurrent.futures.process import BrokenProcessPool
+
+            body = {"__doc__": _BROKEN[name], "__module__": __name__}
+            defined = type(name, (TransportError, BrokenProcessPool), body)
+            defined.__qualname__ = name  # pickled by this name
+            globals()[name] = defined
+    return defined
+
+
+if TYPE_CHECKING:
+    from concurrent.futures.process import BrokenProcessPool
+
+    class WorkerLostError(TransportError, BrokenProcessPool): ...
+
+    class BrokenExecutorError(TransportError, BrokenProcessPool): ...
 
 
 class PoolStateError(TransportError, ValueError):

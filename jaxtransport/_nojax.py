@@ -15,9 +15,20 @@ from typing import Any
 
 from ._errors import PlacementError
 
-__all__ = ["PLACEMENTS", "check_placement", "find_tracer", "find_tracer_in", "first_tracer", "jax_loaded"]
+__all__ = [
+    "PICKLE_PROTOCOL",
+    "PLACEMENTS",
+    "check_placement",
+    "find_tracer",
+    "find_tracer_in",
+    "first_tracer",
+    "jax_loaded",
+]
 
 PLACEMENTS = ("device", "host", "preserve")
+# Every pickle jaxtransport writes: protocol 5 is the one with out-of-band buffers (PEP 574).
+# Here, below the codec, so that a Pool worker reads its messages without loading the codec.
+PICKLE_PROTOCOL = 5
 
 
 def check_placement(placement: str) -> str:

@@ -26,11 +26,8 @@ import cloudpickle
 import numpy as np
 
 from . import _errors
-from ._nojax import jax_loaded
+from ._nojax import PICKLE_PROTOCOL, jax_loaded
 from ._registry import Registration
-
-# Every pickle jaxtransport writes: protocol 5 is the one with out-of-band buffers (PEP 574).
-PICKLE_PROTOCOL = 5
 
 # JAX (with _codec and _tracers, which need it) is imported where a JAX object is at hand or
 # the caller asked for JAX, never at import: a process that has not imported JAX holds no

@@ -13,8 +13,10 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from . import _devices
+if TYPE_CHECKING:
+    from . import _devices  # the parent's device plan; a worker applying its environment needs none
 
 __all__ = [
     "NO_PREALLOCATION",

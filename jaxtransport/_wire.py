@@ -32,7 +32,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,7 +40,10 @@ from . import _entries, _errors, _pickling, _usercode
 from ._errors import CorruptTransferError, ShmHandleError
 from ._nojax import jax_loaded
 from ._pickling import PICKLE_PROTOCOL
-from ._shm import ALIGN, Arena, Handle, Mapper
+from ._shm import ALIGN, Handle
+
+if TYPE_CHECKING:
+    from ._shm import Arena, Mapper
 
 __all__ = [
     "Encoded",

@@ -156,7 +156,7 @@ def _make(n):
 
 
 def _total(x):
-    return int(x[:: 4096].sum()), x.nbytes
+    return int(x[::4096].sum()), x.nbytes
 
 
 @pytest.mark.parametrize("reserve", [8 * MIB, (8 * MIB, 8 * MIB)], ids=["int", "pair"])
@@ -168,7 +168,7 @@ def test_shm_reserve_serves_first_argument_and_first_result(reserve):
         assert p.apply(_total, (x,)) == (2 * len(range(0, x.nbytes, 4096)), x.nbytes)
         assert p._state.arena.segments_created == 1  # the parent's reserved slot, no new one
         y = p.apply(_make, (7 * MIB,))
-        assert y.nbytes == 7 * MIB and int(y[:: 4096].sum()) == 5 * (y.nbytes // 4096)
+        assert y.nbytes == 7 * MIB and int(y[::4096].sum()) == 5 * (y.nbytes // 4096)
         assert p.apply(_worker_segments)[0] == 1
         del y
 
@@ -315,6 +315,67 @@ def test_numpy_only_work_never_imports_jax(tmp_path):
     ], proc.stdout + proc.stderr[-2000:]
 
 
+_START_TASKS = textwrap.dedent(
+    """
+    import sys
+
+    LATE = ("jaxtransport._wire", "jaxtransport._usercode", "cloudpickle", "jaxtransport._shm._arena",
+            "jaxtransport._shm._mapper")
+
+    def loaded(x=None):
+        return [m for m in LATE if m in sys.modules]
+    """
+)
+
+_START_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing.process, sys
+    import numpy as np
+    import jaxtransport as jt
+    import start_tasks  # an importable module: its functions travel by name
+
+    engine_loaded_at_start = []
+    _start = multiprocessing.process.BaseProcess.start
+
+    def recording_start(self):
+        engine_loaded_at_start.append("jaxtransport.pool._engine" in sys.modules)
+        _start(self)
+
+    if __name__ == "__main__":
+        multiprocessing.process.BaseProcess.start = recording_start
+        with jt.Pool(2) as p:
+            print("engine loaded at each start", engine_loaded_at_start)
+            print("small", p.apply(start_tasks.loaded, (np.ones(10),)))
+            big = p.apply(np.ones, ((1 << 20,),))  # 8 MiB both ways: through shared memory
+            print("large", p.apply(start_tasks.loaded, (big,)), float(big.sum()))
+        print("worker code in the parent", "jaxtransport.pool._worker" in sys.modules)
+    """
+)
+
+
+def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path):
+    """Note [launch first]: Pool() starts its workers before it imports its engine (their start
+    overlaps its imports), and the parent never imports the worker's code. A worker reads a task
+    of an importable function with small numpy arguments and answers a scalar without the
+    encoder (``_wire``, ``_usercode``, cloudpickle), and makes its shared-memory arena and
+    mapper only once a task or result needs them."""
+    import subprocess
+
+    (tmp_path / "start_tasks.py").write_text(_START_TASKS)
+    script = tmp_path / "start_script.py"
+    script.write_text(_START_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    late = "['jaxtransport._wire', 'jaxtransport._usercode', 'cloudpickle', 'jaxtransport._shm._arena', "
+    assert proc.stdout.splitlines() == [
+        "engine loaded at each start [False, False]",
+        "small []",
+        f"large {late}'jaxtransport._shm._mapper'] {float(1 << 20)}",
+        "worker code in the parent False",
+    ], proc.stdout + proc.stderr[-2000:]
+
+
 def jax_in_worker(_=None):
     return "jax" in sys.modules
 
@@ -337,7 +398,7 @@ def test_workers_import_jax_in_the_background_when_the_parent_has_it(preload):
 
 
 def _sum_and_echo(x):
-    return int(x[:: 4096].astype(np.int64).sum()), np.full(x.nbytes, 9, np.uint8)
+    return int(x[::4096].astype(np.int64).sum()), np.full(x.nbytes, 9, np.uint8)
 
 
 def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
@@ -348,7 +409,7 @@ def test_pool_transfers_stay_exact_while_segments_grow_and_shrink():
             x = np.full(mib * MIB, mib, np.uint8)
             total, back = p.apply(_sum_and_echo, (x,))
             assert total == mib * len(range(0, x.nbytes, 4096))
-            assert back.nbytes == x.nbytes and int(back[:: 4096].sum()) == 9 * len(range(0, x.nbytes, 4096))
+            assert back.nbytes == x.nbytes and int(back[::4096].sum()) == 9 * len(range(0, x.nbytes, 4096))
             del back
         arena = p._state.arena
         assert arena.segments_grown >= 2

@@ -230,7 +230,7 @@ def test_a_worker_that_dies_while_starting_says_why(tmp_path, case, method):
 def test_main_guard_check_reads_the_script_statement_by_statement():
     import ast as _ast
 
-    from jaxtransport._usercode import _runs_unconditionally
+    from jaxtransport._mainguard import runs_unconditionally
 
     src = textwrap.dedent('''
         import x                       # 2
@@ -253,5 +253,5 @@ def test_main_guard_check_reads_the_script_statement_by_statement():
             start()                    # 19
     ''')
     body = _ast.parse(src).body
-    got = {line: _runs_unconditionally(body, line) for line in (3, 4, 5, 7, 9, 11, 13, 18, 19)}
+    got = {line: runs_unconditionally(body, line) for line in (3, 4, 5, 7, 9, 11, 13, 18, 19)}
     assert got == {3: True, 4: True, 5: True, 7: False, 9: True, 11: False, 13: False, 18: False, 19: True}

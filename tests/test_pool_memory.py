@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport.pool import _engine as _pool_engine
+from jaxtransport.pool import _launch as _pool_launch
 from jaxtransport import _wire as _pool_wire
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
@@ -405,7 +405,7 @@ def test_capacity_reached_waits_while_tasks_drain():
 
 
 def test_capacity_reached_with_nothing_in_flight_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(_pool_engine, "CAPACITY_GRACE_S", 0.3)
+    monkeypatch.setattr(_pool_launch, "CAPACITY_GRACE_S", 0.3)
     with jt.Pool(1, shm_capacity=8 * MIB) as p:
         s1 = p.share({"w": jnp.ones(3 * MIB // 4)})
         s2 = p.share({"w": jnp.ones(3 * MIB // 4)})

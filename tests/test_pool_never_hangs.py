@@ -170,9 +170,9 @@ def keep_results(n):
 
 @pytest.mark.shm
 def test_worker_shared_memory_at_its_limit_is_a_clear_error(start_method, monkeypatch):
-    from jaxtransport.pool import _engine
+    from jaxtransport.pool import _launch
 
-    monkeypatch.setattr(_engine, "CAPACITY_GRACE_S", 0.5)
+    monkeypatch.setattr(_launch, "CAPACITY_GRACE_S", 0.5)
     with jt.Pool(1, start_method=start_method, shm_capacity=4 * MIB) as p:
         held = p.apply(keep_results, (3,))  # 3 MiB of the worker's 4 stay alive here
         with pytest.raises(ShmCapacityError, match="shm_capacity"):

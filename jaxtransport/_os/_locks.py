@@ -23,7 +23,6 @@ record locks on memfd and shared-memory files; macOS refuses them on ``shm_open`
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import time
@@ -47,7 +46,9 @@ def semaphores():
             try:
                 lib = ctypes.CDLL(None, use_errno=True)
                 if not hasattr(lib, "sem_trywait"):
-                    name = ctypes.util.find_library("pthread")
+                    from ctypes.util import find_library  # only where libc lacks them (glibc < 2.34)
+
+                    name = find_library("pthread")
                     lib = ctypes.CDLL(name, use_errno=True) if name else None
                 if lib is not None:
                     for fn in ("sem_init", "sem_wait", "sem_trywait", "sem_post"):

@@ -45,7 +45,6 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
 import threading
 from typing import Any
 
@@ -306,6 +305,8 @@ def _new_fd() -> int:
     if kind == "memfd":
         return os.memfd_create("jaxtransport", os.MFD_CLOEXEC)  # private to this process tree, 0600
     if kind == "posix":
+        import secrets  # here, not at the top: it loads OpenSSL (hashlib), which memfd hosts never need
+
         shm = _posixshmem()
         for _ in range(16):
             name = NAME_PREFIX + secrets.token_hex(8)

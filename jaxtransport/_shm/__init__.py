@@ -36,7 +36,9 @@ The modules: ``_handles`` (handles, size classes, the capacity a process may use
 
 from __future__ import annotations
 
-from ._arena import Arena, fd_socketpair, send_segment
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._handles import (
     ALIGN,
     DEFAULT_SHM_THRESHOLD,
@@ -49,7 +51,31 @@ from ._handles import (
     free_memory,
     size_class,
 )
-from ._mapper import Mapper, collect_deferred
+
+if TYPE_CHECKING:
+    from ._arena import Arena, fd_socketpair, send_segment
+    from ._mapper import Mapper, collect_deferred
+
+# The sender's and the receiver's sides, imported on first use (PEP 562): a pool worker whose
+# tasks and results need no shared memory never compiles them (Note [launch first] in
+# ``jaxtransport.pool._launch``: where no ``.pyc`` is written, compiling is most of a start).
+_LAZY = {
+    "Arena": "._arena",
+    "fd_socketpair": "._arena",
+    "send_segment": "._arena",
+    "Mapper": "._mapper",
+    "collect_deferred": "._mapper",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ALIGN",

@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -47,21 +46,18 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _devices, _lockorder, _os, _procenv, _shm, _wire
+from .. import _lockorder, _os, _shm, _wire
 from .._errors import PoolStateError, PoolTerminatedError, ShmCapacityError, ShmHandleError
 from .._nojax import first_tracer
 from .._shm import Handle
-from . import _protocol
-from ._initargs import InitCall
+from . import _launch, _protocol
 from ._lifecycle import Lifecycle
 from ._manager import Manager
 from ._pins import Pins
-from ._processes import WorkerRec, close_worker, start_worker
-from ._protocol import CAPACITY_GRACE_S  # read from this module at each use (tests patch it here)
+from ._processes import WorkerRec, adopt, close_worker
 from ._results import CallbackRunner
 from ._scheduler import Chunk, ChunkRun, Scheduler
 from ._trees import TreeBook, TreeRec
-from ._worker import WorkerConfig
 
 IMAP_WIDE = 8  # how much wider imap's window gets for results that need no shared memory
 IMAP_WIDER = 64  # ... when its arguments needed none either (nothing of it in shared memory)
@@ -107,32 +103,25 @@ class Engine:
     def __init__(
         self,
         *,
+        spec: _launch.Spec,
         processes,
-        initializer,
-        initargs,
-        maxtasksperchild,
-        start_method,
-        shm_threshold,
-        placement,
-        worker_env,
+        init_call,
         shm_capacity,
-        worker_capacity,
-        devices_per_worker,
         tree_type,
-        results_reserve: int = 0,
-        futures: bool = False,
-        preload_jax: bool = False,
+        started: list | None = None,
     ):
-        self.ctx = _os.start_context(start_method)  # children told this method (Note [the child's start method])
+        """``spec``: what the workers start with; ``init_call``: the pool's ``InitCall`` (or
+        None); ``started``: workers ``spec`` already started for places 0, 1, ... (Note [launch
+        first] in ``_launch``): each is adopted and removed from the list, and the rest are
+        started here. What is left in ``started`` when this raises is the caller's."""
+        self.spec = spec
+        self.ctx = spec.ctx
         self.tree_type = tree_type  # SharedTree: what travels as a broadcast handle
-        self.start_method = start_method
+        self.start_method = spec.start_method
         self.processes = processes
-        self.maxtasks = maxtasksperchild
-        self.threshold = shm_threshold
-        self.placement = placement
-        self.worker_env_overrides = dict(worker_env or {})
-        # Who holds which device (raises here, at construction, when devices_per_worker cannot be met).
-        self.devices = _devices.plan(processes, devices_per_worker=devices_per_worker, overrides=worker_env)
+        self.maxtasks = spec.maxtasks
+        self.threshold = spec.threshold
+        self.placement = spec.placement
         # Pickled anew as each worker starts, like the stock pools' initargs (Note [initargs]).
         # Note [initargs dropped]: once the pool can start no worker again (broken, terminated,
         # or joined), it lets go of the initializer and its arguments, under the lock that the
@@ -140,11 +129,8 @@ class Engine:
         # caller's objects: a multiprocessing.Queue among them owns three named semaphores,
         # unlinked only when the last reference goes, and the engine may live on in a cycle
         # (its manager, its tree book) until the cyclic collector runs (python/cpython#104090).
-        self.init_call = None if initializer is None else InitCall(initializer, initargs)
-        self.worker_capacity = worker_capacity  # each worker's cap (the facade splits the default)
-        self.results_reserve = results_reserve  # bytes each worker reserves at start (shm_reserve)
-        self.futures = futures  # an Executor's pool: concurrent.futures' error contract in workers
-        self.preload_jax = preload_jax  # workers import JAX in the background once ready
+        self.init_call = init_call
+        self.futures = spec.futures  # an Executor's pool: concurrent.futures' error contract in workers
         self.arena = _shm.Arena(shm_capacity, label="the pool's parent process")
         self.pins = Pins(self.arena)  # jax.Arrays copied once, sent again by handle
         self.flags = Lifecycle()
@@ -166,7 +152,11 @@ class Engine:
         self.manager = None
         try:
             for i in range(processes):
-                self.workers.append(self.start_worker(i))
+                if started:
+                    self.workers.append(adopt(started[0], i, next(self.serials), self.maxtasks))
+                    del started[0]  # the engine's now (while adopt may raise, the caller's)
+                else:
+                    self.workers.append(self.start_worker(i))
         except BaseException:
             self.terminate()
             raise
@@ -194,32 +184,10 @@ class Engine:
     # -- workers
     def worker_environ(self, index: int) -> dict:
         """The variables worker ``index`` starts with (``_procenv.worker_env``)."""
-        self.devices.announce()
-        return _procenv.worker_env(index, devices=self.devices, overrides=self.worker_env_overrides)
+        return self.spec.environ(index)
 
     def start_worker(self, index: int) -> WorkerRec:
-        env = self.worker_environ(index)
-        config = WorkerConfig(
-            parent_pid=os.getpid(),
-            threshold=self.threshold,
-            placement=self.placement,
-            capacity=self.worker_capacity,
-            futures=self.futures,
-            maxtasks=self.maxtasks,
-            grace=CAPACITY_GRACE_S,
-            reserve=self.results_reserve,
-            preload_jax=self.preload_jax,
-            env=env,
-        )
-        return start_worker(
-            self.ctx,
-            start_method=self.start_method,
-            index=index,
-            serial=next(self.serials),
-            config=config,
-            maxtasks=self.maxtasks,
-            init=self.init_call,
-        )
+        return adopt(self.spec.launch(index, self.init_call), index, next(self.serials), self.maxtasks)
 
     def wake(self) -> None:
         self.waker.set()
@@ -251,7 +219,7 @@ class Engine:
         start = getattr(self.tls, "wait_start", None)
         if busy or start is None:
             self.tls.wait_start = start = now
-        if not busy and now - start > CAPACITY_GRACE_S:
+        if not busy and now - start > _launch.CAPACITY_GRACE_S:
             return False
         return SPACE_POLL_S
 

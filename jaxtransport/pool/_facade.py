@@ -29,16 +29,19 @@ import multiprocessing
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import _nojax, _os, _procenv, _shm, _usercode
+from .. import _mainguard, _nojax, _os, _procenv, _shm
 from .._errors import MainGuardError, PoolStateError
 from .._nojax import find_tracer, first_tracer
-from ._engine import Engine, terminate_unreferenced
+from ._launch import Spec, abandon
 from ._results import AsyncResult, IMapIterator, MapResult
-from ._trees import SharedTree
 
-__all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool", "SharedTree"]
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from ._trees import SharedTree
+
+__all__ = ["AsyncResult", "IMapIterator", "MapResult", "Pool"]
 
 RANGE_CHUNK = 32  # a map of a range keeps range chunks of at least this many items (_map_async)
 
@@ -136,7 +139,7 @@ class Pool:
                 "of another Pool (daemonic processes may not have children). Run the nested work "
                 "in the task itself, or return it to the parent and submit it to the outer pool."
             )
-        unguarded = _usercode.unguarded_start("a jaxtransport.Pool")
+        unguarded = _mainguard.unguarded_start("a jaxtransport.Pool")
         if unguarded is not None:
             raise MainGuardError(unguarded)
         args_reserve, results_reserve = _reserve_sizes(shm_reserve)
@@ -155,23 +158,44 @@ class Pool:
                     "shm_reserve or raise shm_capacity."
                 )
         self._processes = processes
-        self._state = Engine(
+        spec = Spec(
+            _os.start_context(start_method),  # children told this method (Note [the child's start method])
             processes=processes,
-            initializer=initializer,
-            initargs=tuple(initargs),
-            maxtasksperchild=maxtasksperchild,
             start_method=start_method,
-            shm_threshold=shm_threshold,
+            threshold=shm_threshold,
             placement=placement,
-            worker_env=worker_env,
-            shm_capacity=capacity,
-            worker_capacity=worker_capacity,
-            devices_per_worker=devices_per_worker,
-            tree_type=SharedTree,
-            results_reserve=results_reserve,
+            capacity=worker_capacity,
             futures=self._futures,
+            maxtasks=maxtasksperchild,
+            reserve=results_reserve,
             preload_jax=_nojax.jax_loaded() if preload_jax is None else bool(preload_jax),
+            worker_env=worker_env,
+            devices_per_worker=devices_per_worker,
         )
+        init_call = None
+        if initializer is not None:
+            from ._initargs import InitCall
+
+            init_call = InitCall(initializer, initargs)
+        started: list = []
+        try:
+            for i in range(processes):
+                started.append(spec.launch(i, init_call))
+            # Note [launch first] in _launch: the engine's modules are imported while the workers
+            # boot (a module imported once; later pools find it loaded).
+            from ._engine import Engine, terminate_unreferenced
+            from ._trees import SharedTree
+
+            self._state = Engine(
+                spec=spec,
+                processes=processes,
+                init_call=init_call,
+                shm_capacity=capacity,
+                tree_type=SharedTree,
+                started=started,
+            )
+        finally:
+            abandon(started)  # started but not adopted: building the engine failed
         if args_reserve:
             try:
                 self._state.arena.reserve(args_reserve)
@@ -375,6 +399,8 @@ class Pool:
         """
         state = self._state
         state.check_running()
+        from ._trees import SharedTree
+
         return SharedTree(state.trees, state.share(tree), tree)
 
     # -- lifecycle

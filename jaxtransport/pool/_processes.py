@@ -15,11 +15,9 @@ import select
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _os, _procenv, _shm
+from .. import _os, _shm
 from . import _claim
-from ._initargs import InitCall
 from ._senders import FrameReader, Sender
-from ._worker import WorkerConfig, worker_main
 
 STARTING = -1  # the shared cell's value until the worker's own code runs (worker_main sets RUNNING)
 RUNNING = -2  # the worker's code runs; no chunk started yet (chunk ids are >= 0)
@@ -138,46 +136,11 @@ class WorkerRec:
         self.sender.post(msg_bytes, segments)
 
 
-def start_worker(
-    ctx,
-    *,
-    start_method: str,
-    index: int,
-    serial: int,
-    config: WorkerConfig,
-    maxtasks: int | None,
-    init: InitCall | None = None,
-) -> WorkerRec:
-    """Start one worker process (spawn/forkserver) with ``config`` (its environment:
-    ``config.env``); ``init`` (the
-    pool's initializer) is pickled while the process spawns (Note [initargs])."""
-    cfg = pickle.dumps(config)
-    conn, child_conn = _os.worker_pipe(ctx)
-    fdsock, child_sock = _shm.fd_socketpair()
-    block = _claim.new_block(ctx)  # multiprocessing's heap: an unlinked file, gone with its users
-    proc = ctx.Process(
-        target=worker_main,
-        args=(child_conn, child_sock, cfg, block, init),
-        daemon=True,
-        name=f"jaxtransport-pool-worker-{index}",
-    )
-    try:
-        if start_method == "spawn":
-            # The child's environment is os.environ at exec time: set it there so that even
-            # code JAX runs while re-importing __main__ sees it (forkserver: set in the child).
-            with _procenv.environ_overlay(config.env):
-                proc.start()
-        else:
-            proc.start()
-    except BaseException:
-        conn.close()
-        fdsock.close()
-        raise
-    finally:
-        child_conn.close()
-        child_sock.close()
-    cells = _claim.Cells(block)
-    return WorkerRec(index, serial, proc, conn, fdsock, maxtasks, cells, cells.lock)
+def adopt(started, index: int, serial: int, maxtasks: int | None) -> WorkerRec:
+    """The record of a worker process ``_launch.Spec.launch`` started (``started``, a
+    ``_launch.Launched``), from now on the engine's."""
+    cells = _claim.Cells(started.block)
+    return WorkerRec(index, serial, started.proc, started.conn, started.fdsock, maxtasks, cells, cells.lock)
 
 
 def close_worker(w: WorkerRec) -> None:

@@ -36,10 +36,9 @@ from .._entries import as_seq as _seq
 from .._entries import corrupt as _bad
 from .._entries import parse_handles
 from .._errors import ShmHandleError
-from .._pickling import PICKLE_PROTOCOL
+from .._nojax import PICKLE_PROTOCOL
 
 __all__ = [
-    "CAPACITY_GRACE_S",
     "KIND_OF",
     "RELEASE_FLUSH_S",
     "TO_PARENT",
@@ -61,7 +60,6 @@ __all__ = [
 
 # Timing both ends of the pipe share.
 RELEASE_FLUSH_S = 0.05  # how often releases and unmapped segments are passed on
-CAPACITY_GRACE_S = 5.0  # how long an allocation waits for releases when no task is in flight
 
 
 def _bytes(v: Any, what: str) -> bytes | bytearray | memoryview:

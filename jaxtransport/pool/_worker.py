@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _os, _procenv
 from .._errors import CorruptTransferError
+from ._config import WorkerConfig
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -67,39 +68,21 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
     CURRENT.run()
 
 
-class WorkerConfig(NamedTuple):
-    """What a worker starts with, built by the parent (``Engine.start_worker``) and pickled into
-    the worker ``Process``'s arguments. Defined here, not in ``_protocol``: the worker unpickles
-    it before it applies ``env``, so its module must import nothing that reads the environment
-    (numpy, JAX)."""
-
-    parent_pid: int  # the worker exits when this process is gone
-    threshold: int | None  # arrays of at least this many bytes go back through shared memory
-    placement: str  # where received arrays go ("device", "host", "preserve")
-    capacity: int  # the worker's own arena (its results), in bytes
-    futures: bool  # an Executor's worker: concurrent.futures' error reporting
-    maxtasks: int | None  # chunks before it leaves (maxtasksperchild)
-    grace: float  # how long a result waits for the parent to release memory
-    reserve: int  # bytes of result segments made while it starts (Pool(shm_reserve=...))
-    preload_jax: bool  # import JAX in the background once ready
-    env: dict  # the environment variables it applies first (``_procenv.worker_env``)
-
-
 CURRENT = None  # the running worker (for introspection and tests)
 # Results of only these exact types pickle the same with any pickler (no reducer, no array,
 # no name to look up): encode_results pickles them in one call.
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+# In every pickle that refers to anything of jaxtransport's (a reducer, an entry, by-value code,
+# the main script's names): its module names are spelled out in the pickle.
+_OURS = b"jaxtransport"
 
 
 class _Worker:
     def __init__(self, conn, fdsock, cfg: WorkerConfig, cell=None, claim=None, init: tuple | None = None):
-        import cloudpickle  # noqa: F401  (functions arrive pickled by value)
-
-        from .. import _shm, _wire
         from . import _protocol
 
-        self.wire = _wire
         self.protocol = _protocol
+        self._wire: Any = None  # the encoder, imported at first use (the ``wire`` property)
         self.conn = conn
         self.fdsock = fdsock
         self.cfg = cfg
@@ -114,14 +97,17 @@ class _Worker:
         self.frames = BufferedFrames(conn)
         self.placement = cfg.placement
         self.threshold = cfg.threshold
-        self.arena = _shm.Arena(cfg.capacity, label=f"pool worker {os.getpid()}")
+        # Its own arena (results through shared memory) and its view of the parent's segments
+        # are made at first use: a worker whose tasks need no shared memory never imports them
+        # (Note [launch first] in _launch).
+        self._arena: Any = None
+        self._mapper: Any = None
         if cfg.reserve:
             # Pool(shm_reserve=...): segments for results, made while this worker starts.
             try:
                 self.arena.reserve(cfg.reserve)
             except BaseException as e:  # noqa: BLE001 - the first result that needs memory raises it
                 self.arena.reserve_error = e
-        self.mapper = _shm.Mapper(fdsock, label="the pool's parent")
         self.sent_segs: set[int] = set()
         self.trees: dict[int, tuple] = {}  # id -> (data, entries), as defined by the parent
         self.held_trees: dict[int, Any] = {}  # id -> _wire.Held: its slots held, mapped once
@@ -131,6 +117,35 @@ class _Worker:
         self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
+
+    @property
+    def wire(self):
+        """``jaxtransport._wire``, imported at first use: a task whose pickle names nothing of
+        jaxtransport's is read with ``pickle.loads``, and scalar results are pickled directly,
+        so a worker running such tasks never loads the encoder (Note [launch first])."""
+        if self._wire is None:
+            from .. import _wire
+
+            self._wire = _wire
+        return self._wire
+
+    @property
+    def arena(self):
+        """This worker's arena (its results' shared memory), made at first use."""
+        if self._arena is None:
+            from .. import _shm
+
+            self._arena = _shm.Arena(self.cfg.capacity, label=f"pool worker {os.getpid()}")
+        return self._arena
+
+    @property
+    def mapper(self):
+        """The parent's segments as this worker maps them, made at first use."""
+        if self._mapper is None:
+            from .. import _shm
+
+            self._mapper = _shm.Mapper(self.fdsock, label="the pool's parent")
+        return self._mapper
 
     # -- sending
     def send(self, msg) -> None:
@@ -160,8 +175,8 @@ class _Worker:
             self.sent_segs.add(seg_id)
 
     def flush_releases(self) -> None:
-        rel = self.mapper.take_releases()
-        forgotten = self.arena.take_forgotten()
+        rel = self._mapper.take_releases() if self._mapper is not None else None
+        forgotten = self._arena.take_forgotten() if self._arena is not None else None
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
@@ -291,6 +306,8 @@ class _Worker:
             return
         self.send(self.protocol.Ready(True, None))
         if cfg.preload_jax and "jax" not in sys.modules:
+            import numpy  # noqa: F401  (on this thread first: Note [JAX imported in the background])
+
             _start_jax_import()
         done = 0
         maxtasks = cfg.maxtasks
@@ -298,8 +315,9 @@ class _Worker:
             if self.backlog:
                 msg = self.backlog.pop(0)  # one queued by wait_for_release
             else:
-                busy = self.mapper.pending or self.arena.has_forgotten()
-                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if self.mapper.live else None))
+                m, a = self._mapper, self._arena  # None until shared memory is used
+                busy = (m is not None and m.pending) or (a is not None and a.has_forgotten())
+                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if m is not None and m.live else None))
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -381,6 +399,10 @@ class _Worker:
                 fn, mode, items = self.wire.decode(
                     data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
                 )
+            elif type(data) is bytes and _OURS not in data:
+                # Nothing of jaxtransport's in it (no array of ours, no entry, no by-value
+                # code): no placement applies, plain pickle reads it as the encoder would.
+                fn, mode, items = pickle.loads(data)
             else:  # nothing in shared memory: only the pickle (under the placement, as decode)
                 fn, mode, items = self.wire.loads(data, self.placement)
             del data, entries, msg
@@ -408,8 +430,9 @@ class _Worker:
         del out
         if segs:
             self.send_fds(segs)
-        rel = self.mapper.take_releases() if (self.mapper.pending or self.mapper.live) else []
-        forgotten = self.arena.take_forgotten() if self.arena.has_forgotten() else None
+        m, a = self._mapper, self._arena
+        rel = m.take_releases() if m is not None and (m.pending or m.live) else []
+        forgotten = a.take_forgotten() if a is not None and a.has_forgotten() else None
         if forgotten:
             self.sent_segs.difference_update(forgotten)
             self.send(self.protocol.Forget(forgotten))
@@ -468,6 +491,10 @@ class _Worker:
 # ``__import__``; jaxtransport's own code imports JAX with import statements. A task that does
 # not import JAX runs beside the import (sharing the GIL), and ``_nojax.jax_loaded()`` stays
 # False until the import is done, so encoding and decoding numpy data never touch JAX.
+# numpy is imported on the worker's own thread before the background import starts: JAX imports
+# it too, and numpy's own modules import each other in a cycle, so a task's first import of it
+# (the encoder's, loaded at first use since Note [launch first]) beside JAX's raised "partially
+# initialized module 'numpy._core._multiarray_umath'" (seen in test_pool_forwarding).
 
 _jax_import_done = threading.Event()
 _jax_import_thread: int | None = None
@@ -503,6 +530,17 @@ def _start_jax_import() -> None:
             _jax_import_done.set()
             if builtins.__import__ is gated:  # unless someone wrapped it after us (then a pass-through)
                 builtins.__import__ = original
+        # Then what the first jax.Array argument or result needs, which this worker's start left
+        # out (Note [launch first] in _launch): the encoder, the codec, the arena and the mapper
+        # (modules only: the objects are made at first use, on the worker's thread). Its
+        # modules import each other in no circle (tests/test_architecture), so a task importing
+        # one of them meanwhile waits for it, as for any module another thread is importing.
+        try:
+            from .. import _codec, _shm, _wire  # noqa: F401
+
+            _shm.Arena, _shm.Mapper  # noqa: B018 - their modules (PEP 562)
+        except Exception:  # noqa: BLE001 - the task that needs them raises it with its own context
+            pass
 
     thread = threading.Thread(target=run, name="jaxtransport-jax-import", daemon=True)
     builtins.__import__ = gated
