@@ -74,7 +74,10 @@ class Pool:
         to drop arrays (while tasks are in flight), then raises ShmCapacityError: a clear error,
         never the out-of-memory killer. ``imap`` submits only a bounded number of chunks ahead
         of its consumer, so a slow consumer makes workers wait instead of filling it.
-      devices_per_worker: GPUs per worker on multi-GPU hosts (default 1), assigned round-robin.
+      devices_per_worker: accelerators of its own for each worker: on multi-GPU hosts, GPUs
+        round-robin (default 1); on a TPU host, chips the parent does not hold (default: none,
+        the workers run JAX on the CPU while the parent holds or may take the chips; too few
+        free chips raise ValueError here). See docs/accelerators.md.
       shm_reserve: bytes of shared memory to make ready while the workers start, so that the
         first large transfers pay no page faults: an int ``n`` reserves one slot for an array of
         up to ``n`` bytes in the parent (task arguments) and one in each worker (results); a
