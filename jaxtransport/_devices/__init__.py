@@ -2,9 +2,10 @@
 jaxtransport starts may open.
 
 Every part that starts processes (the Pool and so the Executor and the joblib backend,
-``jaxtransport.multiprocessing``'s processes, the rollouts demo) asks :func:`plan` for a
-:class:`Plan` and starts worker ``i`` with ``plan.env(i)``; none of them branches on a kind of
-accelerator. The rule, by what the host and this process's JAX show (:mod:`._kinds` says how
+``jaxtransport.multiprocessing``'s processes) asks :func:`plan` for a :class:`Plan` and starts
+worker ``i`` with ``plan.env(i)``; none of them branches on a kind of accelerator. (The rollouts
+demo chooses for itself, through ``worker_env``: its actors act on the CPU whenever its learner
+is on an accelerator.) The rule, by what the host and this process's JAX show (:mod:`._kinds` says how
 each kind is seen):
 
 - A device that several processes can share (a GPU): workers share this process's devices, one
@@ -17,7 +18,7 @@ each kind is seen):
   too few left is an error at once, naming the fix.
 - ``JAX_PLATFORMS`` in ``worker_env`` wins over all of this: the user decides.
 
-See Note [device plans] in docs/accelerators.md for the user-facing account.
+docs/accelerators.md gives the user-facing account.
 """
 
 from __future__ import annotations
