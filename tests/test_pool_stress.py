@@ -230,8 +230,8 @@ class Round:
                     try:
                         v = it.next(BOUND_S)
                     except WorkerLostError:
-                        # A chunk is delivered whole or raises once (as multiprocessing's imap
-                        # does for a chunk whose task raised): the lost chunk's items are skipped.
+                        # A chunk is delivered whole or raises once, for the chunk; this pool's
+                        # imap then goes on with the next chunk: the lost chunk's items are skipped.
                         if i % size:
                             self.fail(f"imap: a lost chunk at item {i}, inside a chunk of {size}")
                         self.done("imap", "WorkerLostError")
