@@ -210,20 +210,74 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # Note [device to host in chunks]
 # Sending an accelerator's array through shared memory takes it to the host and copies it into
 # a slot. ``np.asarray`` of a whole large array allocates a fresh host buffer (above glibc's
-# 32 MiB mmap threshold: new pages, each faulted in) and the copy into the slot comes after the
-# transfer. Measured on a TPU v5e for 256 MiB float32: np.asarray 98 ms, then the copy 16-20 ms;
-# the same array brought over in 16 MiB pieces (a jitted dynamic_slice per piece, four
-# transfers in flight with copy_to_host_async, each piece copied into the destination while the
-# next ones travel) 36-41 ms, into the destination. So a large one-device array off the CPU
-# (CHUNKED_MIN bytes and up, of a dtype of a byte or more per element, rows along its first
-# axis) travels in pieces; anything else as one np.asarray. Costs: one compile of the slicing
-# function per shape, dtype and piece size (cached by jit), and up to WINDOW pieces of device
-# memory while it runs. An array whose host copy JAX already holds (``_npy_value``) is copied
-# from there.
-CHUNKED_MIN = 32 << 20
-CHUNK_BYTES = 16 << 20
+# mmap threshold: new pages, each faulted in) and the copy into the slot comes after the
+# transfer; and how fast the runtime brings an array over depends on its device layout. On a
+# TPU v5e (JAX 0.10.2), 32 MiB of float32 as ``np.asarray`` and a copy into the slot: shaped
+# (8M,) 45 ms, (128K, 64) 95 ms (a 64-wide minor dimension is padded to the chip's 128 lanes),
+# (32K, 256) 7 ms; 256 MiB: 114 ms, 672 ms and 115 ms. So a large one-device array off the
+# CPU (CHUNKED_MIN bytes and up, of a dtype of a byte or more per element) travels in pieces of
+# CHUNK_BYTES, rows along its first axis: each piece is cut by a jitted ``dynamic_slice`` and,
+# where its element count allows, reshaped on the device to rows of LANES elements (the same
+# bytes in the same order), WINDOW pieces in flight with ``copy_to_host_async``, each copied
+# into the destination while the next ones travel. Measured on the chip in 4 MiB pieces,
+# reshaped: the figures to come from ``benchmarks/device.py``; unreshaped 4 MiB pieces took
+# 7 ms, 35 ms and 7 ms for the 32 MiB arrays above, 51 ms, 267 ms and 54 ms for the 256 MiB
+# ones; 16 MiB pieces 8, 69, 7 and 61, 303, 56 ms. Anything else travels as one
+# ``np.asarray``. Costs: one compile of the slicing function per shape, dtype and piece size
+# (cached by jit), and up to WINDOW pieces of device memory while it runs. An array whose host
+# copy JAX already holds (``_npy_value``) is copied from there.
+CHUNKED_MIN = 8 << 20
+CHUNK_BYTES = 8 << 20
+MIN_PIECES, MIN_PIECE = 4, 1 << 20
 WINDOW = 4
+LANES = 256
 _SUBBYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+
+
+# Note [fetch every leaf at once]
+# Each small array on an accelerator that a message carries is fetched by ``np.asarray`` when
+# the pickler reaches it: a synchronous device-to-host transfer whose cost on a TPU is mostly
+# latency, paid once per leaf, one after another. A rollout's task carries dozens (an
+# environment state's fields, a key; a policy's layers), and the rollouts demo with its
+# learner on a TPU spent most of an iteration's transport there. ``prefetch(obj)``, called
+# before a message is pickled, starts the transfer of each such leaf of ``obj``'s pytree
+# (``copy_to_host_async``, as ``jax.device_get`` does for a tree), so that the transfers overlap
+# and the pickler's ``np.asarray`` then finds each host copy ready or in flight. Only
+# one-device arrays off the host below CHUNKED_MIN bytes are started: larger ones travel in
+# pieces into their destination (Note [device to host in chunks]), and a PRNG key's data is a
+# new array at encoding. Leaves inside objects that are not pytrees (an instance of a plain
+# class) are fetched as before, when they are pickled. It does nothing in a process that has
+# started no accelerator backend (no array there is off the host), nor when ``obj`` fails to
+# flatten. The host copy is the one ``np.asarray`` would have cached on the array anyway.
+
+
+def prefetch(obj: Any) -> None:
+    """Start the device-to-host copy of every small one-device accelerator array among the
+    pytree leaves of ``obj`` (Note [fetch every leaf at once])."""
+    platforms = _compat.initialized_platforms()
+    if not platforms or platforms == {"cpu"}:
+        return
+    try:
+        leaves = jax.tree.leaves(obj)
+    except Exception:  # noqa: BLE001 - whatever does not flatten is fetched when pickled
+        return
+    types = concrete_array_types()
+    for a in leaves:
+        if type(a) not in types:
+            continue
+        try:
+            if (
+                _on_host(a)
+                or len(a.sharding.device_set) != 1
+                or _is_key(a)
+                or a.is_deleted()
+                or a.nbytes >= CHUNKED_MIN
+                or _compat.cached_host_copy(a) is not None
+            ):
+                continue
+            a.copy_to_host_async()
+        except Exception:  # noqa: BLE001 - the pickler's own fetch raises what it raises
+            continue
 
 
 def _host_or_device(a: Any) -> Any:
@@ -260,22 +314,60 @@ def copy_into(b: Any, dst: np.ndarray) -> None:
         return
     nbytes = host_nbytes(b)
     rows = b.shape[0] if b.ndim else 0
-    per = CHUNK_BYTES // max(nbytes // rows, 1) if rows else 0
+    row_elems = math.prod(b.shape[1:])
+    per = _rows_per_piece(rows, nbytes, row_elems) if rows else 0
     if nbytes < CHUNKED_MIN or str(b.dtype) in _SUBBYTE or not 1 <= per < rows:
         np.copyto(dst, np.asarray(b).reshape(-1).view(np.uint8))
         return
-    _copy_in_pieces(b, dst, rows, per, nbytes // rows)
+    as_bits = _lane_bits(np.dtype(b.dtype))
+    lanes = LANES if LANES and as_bits is not None and (per * row_elems) % LANES == 0 else 0
+    _copy_in_pieces(b, dst, rows, per, nbytes // rows, lanes, as_bits if lanes else None)
+
+
+def _rows_per_piece(rows: int, nbytes: int, row_elems: int) -> int:
+    """Rows of about CHUNK_BYTES, or of a quarter of the array when that is less (at least
+    MIN_PIECE bytes), rounded down to a multiple that makes a piece whole rows of LANES
+    elements when such a piece is smaller than the array (Note [device to host in chunks])."""
+    piece = min(CHUNK_BYTES, max(nbytes // MIN_PIECES, MIN_PIECE))
+    per = piece // max(nbytes // rows, 1)
+    if not LANES or not per:
+        return per
+    step = LANES // math.gcd(row_elems, LANES)
+    aligned = max(per // step, 1) * step
+    return aligned if aligned < rows else per
+
+
+def _lane_bits(dtype: np.dtype) -> np.dtype | None:
+    """The unsigned integer type a piece of ``dtype`` is reshaped as (a float reshaped on a TPU
+    may come back with other bits: NaN payloads, subnormals), or None where no piece of it is
+    reshaped (8-byte and complex types)."""
+    if dtype == np.bool_:
+        return dtype
+    if dtype.kind == "c" or dtype.itemsize not in (1, 2, 4):
+        return None
+    return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
 @functools.cache
-def _slicer(per: int) -> Callable[[Any, int], Any]:
+def _slicer(per: int, lanes: int, as_bits: np.dtype | None) -> Callable[[Any, int], Any]:
     from jax import lax
 
+    if lanes:
+
+        def take(a, start):
+            piece = lax.dynamic_slice_in_dim(a, start, per, 0)
+            if piece.dtype != as_bits:
+                piece = lax.bitcast_convert_type(piece, as_bits)
+            return piece.reshape(-1, lanes)
+
+        return jax.jit(take)
     return jax.jit(lambda a, start: lax.dynamic_slice_in_dim(a, start, per, 0))
 
 
-def _copy_in_pieces(b: Any, dst: np.ndarray, rows: int, per: int, row_bytes: int) -> None:
-    take = _slicer(per)
+def _copy_in_pieces(
+    b: Any, dst: np.ndarray, rows: int, per: int, row_bytes: int, lanes: int, as_bits: np.dtype | None
+) -> None:
+    take = _slicer(per, lanes, as_bits)
     starts = list(range(0, rows, per))
     pending: list[tuple[int, Any]] = []
 

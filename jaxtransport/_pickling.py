@@ -233,6 +233,10 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
         buffers.append(pb.raw())
         return False  # out-of-band
 
+    if jax_loaded():  # the small device arrays' transfers at once (Note [fetch every leaf at once])
+        from . import _codec
+
+        _codec.prefetch(obj)
     f = io.BytesIO()
     try:
         _Pickler(f, protocol=PICKLE_PROTOCOL, buffer_callback=callback).dump(obj)

@@ -357,6 +357,15 @@ def _pickle_by_reference(obj: Any, router: _Router) -> bytes | None:
     return buf.getvalue()
 
 
+def prefetch(obj: Any) -> None:
+    """Start fetching ``obj``'s small accelerator arrays to the host, all at once, before it is
+    pickled (Note [fetch every leaf at once] in ``_codec``); nothing before JAX is imported."""
+    if jax_loaded():
+        from . import _codec
+
+        _codec.prefetch(obj)
+
+
 def prepare(
     obj: Any,
     *,
@@ -376,6 +385,7 @@ def prepare(
     before any shared memory is touched.
     """
     limit = threshold if threshold is not None else 1 << 62
+    prefetch(obj)
     outer = getattr(_encoding, "router", None)  # pickling can nest (a reducer that pickles)
     router = _encoding.router = _Router(limit, tree_type)
     try:
@@ -467,6 +477,7 @@ def prepare_calls(
         locate = None if locates is None else locates[i]
         return plain(prepare((fn, mode, items), threshold=threshold, tree_type=tree_type, locate=locate))
 
+    prefetch(parts)  # every chunk's small device arrays travel at once
     if len(parts) < 2 or _usercode.registered_by_value():
         return [alone(i, items) for i, items in enumerate(parts)]
     limit = threshold if threshold is not None else 1 << 62

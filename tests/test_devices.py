@@ -238,14 +238,35 @@ def test_a_worker_that_cannot_open_its_device_says_why():
             p.apply(_raise_busy)
 
 
+@pytest.mark.parametrize("lanes", [256, 8, 6])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int16"])
-@pytest.mark.parametrize("shape", [(1000, 33), (7, 3, 5), (1,), (64, 64)])
-def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape):
+@pytest.mark.parametrize("shape", [(1000, 33), (7, 3, 5), (1,), (64, 64), (3000,), (500, 4)])
+def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape, lanes):
     """The piecewise copy (forced here on CPU arrays, with tiny pieces): every row once, the last
-    piece overlapping its neighbour, any shape and dtype."""
+    piece overlapping its neighbour, pieces reshaped to rows of ``lanes`` elements where their
+    size allows, any shape and dtype."""
     monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
     monkeypatch.setattr(_codec, "CHUNK_BYTES", 96)
+    monkeypatch.setattr(_codec, "LANES", lanes)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 255, shape).astype(dtype))
     dst = np.zeros(_codec.host_nbytes(x), np.uint8)
     _codec.copy_into(x, dst)
     assert dst.tobytes() == np.asarray(x).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_elems", "nbytes", "want"),
+    [
+        (1 << 20, 64, 256 << 20, 32768),  # 8 MiB of a (1M, 64) float32: whole rows of 256 lanes
+        (8 << 20, 1, 32 << 20, 2 << 20),  # a flat float32 of 32 MiB: quarters of 8 MiB
+        (1_000_000, 3, 12_000_000, 249_856),  # a quarter is 250,000 rows: down to a multiple of 256
+        (1000, 1 << 20, 4000 << 20, 2),  # rows of 4 MiB: two per piece
+        (3, 3 << 20, 36 << 20, 0),  # rows bigger than a piece: none (a single transfer)
+        (1000, 3, 12_000, 87381),  # tiny: a MIN_PIECE piece holds more than the array (a single transfer)
+    ],
+)
+def test_pieces_are_whole_rows_of_lanes_where_they_can_be(rows, row_elems, nbytes, want):
+    per = _codec._rows_per_piece(rows, nbytes, row_elems)
+    assert per == want
+    if 1 <= per < rows:
+        assert (per * row_elems) % _codec.LANES == 0 or per * row_elems < _codec.LANES

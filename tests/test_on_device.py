@@ -125,11 +125,26 @@ def test_shardings_and_memory_kinds(device):
 
 def test_large_arrays_cross_in_pieces_bit_exact(device):
     """Shared memory (the Pool's arguments, queues) takes a large array in pieces straight from
-    the device (Note [device to host in chunks]): rows not a multiple of a piece, 1-row arrays,
-    a 3-D array, bf16."""
+    the device (Note [device to host in chunks]), reshaped to rows of lanes on the chip as
+    unsigned integers (random bits: NaN payloads and subnormals must survive): rows not a
+    multiple of a piece, 1-row arrays, 3-D and 4-D arrays, a 64-wide minor dimension, flat
+    arrays, bf16, uint8, int8, float16, float8, bool, 8-byte types (not reshaped)."""
     from jaxtransport import _codec
 
-    for shape, dtype in [((4099, 4096), "float32"), ((1, 40 * MiB // 4), "float32"), ((3, 2051, 4096), "bfloat16")]:
+    cases = [
+        ((4099, 4096), "float32"),
+        ((1, 40 * MiB // 4), "float32"),
+        ((3, 2051, 4096), "bfloat16"),
+        ((200_003, 64), "float32"),
+        ((9 * MiB // 4 + 5,), "float32"),
+        ((129, 16, 84, 84), "uint8"),
+        ((5000, 3000), "int8"),
+        ((4097, 2048), "float16"),
+        ((10 * MiB + 7,), "float8_e4m3fn"),
+        ((3001, 4096), "bool"),
+        ((1100, 1024), "complex64"),
+    ]
+    for shape, dtype in cases:
         a = _bits(dtype, shape, seed=1)
         x = jax.device_put(a, device)
         dst = np.empty(_codec.host_nbytes(x), np.uint8)
