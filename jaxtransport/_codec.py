@@ -210,28 +210,47 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # Note [device to host in chunks]
 # Sending an accelerator's array through shared memory takes it to the host and copies it into
 # a slot. ``np.asarray`` of a whole large array allocates a fresh host buffer (above glibc's
-# mmap threshold: new pages, each faulted in) and the copy into the slot comes after the
-# transfer; and how fast the runtime brings an array over depends on its device layout. On a
-# TPU v5e (JAX 0.10.2), 32 MiB of float32 as ``np.asarray`` and a copy into the slot: shaped
-# (8M,) 45 ms, (128K, 64) 95 ms (a 64-wide minor dimension is padded to the chip's 128 lanes),
-# (32K, 256) 7 ms; 256 MiB: 114 ms, 672 ms and 115 ms. So a large one-device array off the
-# CPU (CHUNKED_MIN bytes and up, of a dtype of a byte or more per element) travels in pieces of
-# CHUNK_BYTES, rows along its first axis: each piece is cut by a jitted ``dynamic_slice`` and,
-# where its element count allows, reshaped on the device to rows of LANES elements (the same
-# bytes in the same order), WINDOW pieces in flight with ``copy_to_host_async``, each copied
-# into the destination while the next ones travel. Measured on the chip in 4 MiB pieces,
-# reshaped: the figures to come from ``benchmarks/device.py``; unreshaped 4 MiB pieces took
-# 7 ms, 35 ms and 7 ms for the 32 MiB arrays above, 51 ms, 267 ms and 54 ms for the 256 MiB
-# ones; 16 MiB pieces 8, 69, 7 and 61, 303, 56 ms. Anything else travels as one
-# ``np.asarray``. Costs: one compile of the slicing function per shape, dtype and piece size
-# (cached by jit), and up to WINDOW pieces of device memory while it runs. An array whose host
-# copy JAX already holds (``_npy_value``) is copied from there.
+# mmap threshold: new pages, each faulted in), the copy into the slot comes after the transfer,
+# and how fast the runtime brings an array over depends on its device layout. Measured on a TPU
+# v5e (JAX 0.10.2), float32, ``np.asarray`` and the copy into a slot: 32 MiB shaped (8M,) 45 ms,
+# (128K, 64) 95 ms (a 64-wide minor dimension is padded to the chip's 128 lanes), (32K, 256)
+# 7 ms; 256 MiB shaped (64M,) 114 ms, (1M, 64) 672 ms, (256K, 256) 115 ms.
+#
+# So a large one-device array off the CPU (CHUNKED_MIN bytes and up, of a type in PIECEWISE)
+# travels in pieces, rows along its first axis: pieces of CHUNK_BYTES, or of a quarter of the
+# array when that is less. Each piece is cut by a jitted ``dynamic_slice``, taken as unsigned
+# integers of its width (``bitcast_convert_type``) and, where its element count allows, reshaped
+# to rows of LANES elements (the same bytes in the same order); WINDOW pieces are in flight
+# with ``copy_to_host_async``, each copied into the destination while the next ones travel.
+# Measured on the chip for the six arrays above, in 8 MiB pieces: reshaped 6, 6, 6 and 41, 40,
+# 41 ms; not reshaped 7, 34, 6 and 42, 262, 40 ms (4 MiB pieces: a little slower; 16 MiB
+# pieces, not reshaped: 8, 69, 7 and 61, 303, 56 ms). Those runs reshaped the float32 pieces
+# as they were; the integer view came after a float16 piece came back from the chip with its
+# NaNs made canonical and a reshaped bfloat16 one with other bits, and the float32, uint8 and
+# int8 pieces were then checked bit for bit on the chip through the integer view
+# (tests/test_on_device.py, random bits). Types outside PIECEWISE travel as one ``np.asarray``.
+#
+# Costs: one compile of the slicing function per shape, dtype and piece size (cached by jit),
+# and up to WINDOW pieces of device memory while it runs. An array whose host copy JAX already
+# holds (``_npy_value``) is copied from there.
 CHUNKED_MIN = 8 << 20
 CHUNK_BYTES = 8 << 20
 MIN_PIECES, MIN_PIECE = 4, 1 << 20
 WINDOW = 4
 LANES = 256
-_SUBBYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+# The types whose pieces the chip gives back bit for bit (a NaN's payload, a subnormal), seen on
+# a TPU v5e with random bits (tests/test_on_device.py): a float16 piece came back with its NaNs
+# made canonical, a bfloat16 one reshaped with other bits. Integers are moved, never computed on.
+# Every other type travels as one np.asarray, which is exact for all of them.
+PIECEWISE = {
+    "float32": np.dtype(np.uint32),
+    "int32": np.dtype(np.uint32),
+    "uint32": np.dtype(np.uint32),
+    "int16": np.dtype(np.uint16),
+    "uint16": np.dtype(np.uint16),
+    "int8": np.dtype(np.uint8),
+    "uint8": np.dtype(np.uint8),
+}
 
 
 # Note [fetch every leaf at once]
@@ -316,12 +335,12 @@ def copy_into(b: Any, dst: np.ndarray) -> None:
     rows = b.shape[0] if b.ndim else 0
     row_elems = math.prod(b.shape[1:])
     per = _rows_per_piece(rows, nbytes, row_elems) if rows else 0
-    if nbytes < CHUNKED_MIN or str(b.dtype) in _SUBBYTE or not 1 <= per < rows:
+    as_bits = PIECEWISE.get(str(b.dtype))
+    if nbytes < CHUNKED_MIN or as_bits is None or not 1 <= per < rows:
         np.copyto(dst, np.asarray(b).reshape(-1).view(np.uint8))
         return
-    as_bits = _lane_bits(np.dtype(b.dtype))
-    lanes = LANES if LANES and as_bits is not None and (per * row_elems) % LANES == 0 else 0
-    _copy_in_pieces(b, dst, rows, per, nbytes // rows, lanes, as_bits if lanes else None)
+    lanes = LANES if LANES and (per * row_elems) % LANES == 0 else 0
+    _copy_in_pieces(b, dst, rows, per, nbytes // rows, lanes, as_bits)
 
 
 def _rows_per_piece(rows: int, nbytes: int, row_elems: int) -> int:
@@ -337,35 +356,21 @@ def _rows_per_piece(rows: int, nbytes: int, row_elems: int) -> int:
     return aligned if aligned < rows else per
 
 
-def _lane_bits(dtype: np.dtype) -> np.dtype | None:
-    """The unsigned integer type a piece of ``dtype`` is reshaped as (a float reshaped on a TPU
-    may come back with other bits: NaN payloads, subnormals), or None where no piece of it is
-    reshaped (8-byte and complex types)."""
-    if dtype == np.bool_:
-        return dtype
-    if dtype.kind == "c" or dtype.itemsize not in (1, 2, 4):
-        return None
-    return np.dtype(f"uint{8 * dtype.itemsize}")
-
-
 @functools.cache
-def _slicer(per: int, lanes: int, as_bits: np.dtype | None) -> Callable[[Any, int], Any]:
+def _slicer(per: int, lanes: int, as_bits: np.dtype) -> Callable[[Any, int], Any]:
     from jax import lax
 
-    if lanes:
+    def take(a, start):
+        piece = lax.dynamic_slice_in_dim(a, start, per, 0)
+        if piece.dtype != as_bits:
+            piece = lax.bitcast_convert_type(piece, as_bits)
+        return piece.reshape(-1, lanes) if lanes else piece
 
-        def take(a, start):
-            piece = lax.dynamic_slice_in_dim(a, start, per, 0)
-            if piece.dtype != as_bits:
-                piece = lax.bitcast_convert_type(piece, as_bits)
-            return piece.reshape(-1, lanes)
-
-        return jax.jit(take)
-    return jax.jit(lambda a, start: lax.dynamic_slice_in_dim(a, start, per, 0))
+    return jax.jit(take)
 
 
 def _copy_in_pieces(
-    b: Any, dst: np.ndarray, rows: int, per: int, row_bytes: int, lanes: int, as_bits: np.dtype | None
+    b: Any, dst: np.ndarray, rows: int, per: int, row_bytes: int, lanes: int, as_bits: np.dtype
 ) -> None:
     take = _slicer(per, lanes, as_bits)
     starts = list(range(0, rows, per))

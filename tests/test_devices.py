@@ -254,6 +254,23 @@ def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape, lanes)
     assert dst.tobytes() == np.asarray(x).tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int4"])
+def test_types_the_chip_may_change_travel_whole(monkeypatch, dtype):
+    """A float16 piece came back from a TPU with its NaNs made canonical: only PIECEWISE types are
+    cut (Note [device to host in chunks]); the others travel as one np.asarray."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{dtype} was cut into pieces")
+
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "CHUNK_BYTES", 96)
+    monkeypatch.setattr(_codec, "_copy_in_pieces", refuse)
+    x = jnp.zeros((4000, 8), dtype)
+    dst = np.zeros(_codec.host_nbytes(x), np.uint8)
+    _codec.copy_into(x, dst)
+    assert dst.tobytes() == np.asarray(x).tobytes()
+
+
 @pytest.mark.parametrize(
     ("rows", "row_elems", "nbytes", "want"),
     [

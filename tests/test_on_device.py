@@ -128,7 +128,8 @@ def test_large_arrays_cross_in_pieces_bit_exact(device):
     the device (Note [device to host in chunks]), reshaped to rows of lanes on the chip as
     unsigned integers (random bits: NaN payloads and subnormals must survive): rows not a
     multiple of a piece, 1-row arrays, 3-D and 4-D arrays, a 64-wide minor dimension, flat
-    arrays, bf16, uint8, int8, float16, float8, bool, 8-byte types (not reshaped)."""
+    arrays, uint8, int8; and the types that travel whole instead (bf16, float16, float8, bool,
+    complex64)."""
     from jaxtransport import _codec
 
     cases = [
