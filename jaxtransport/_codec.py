@@ -242,7 +242,7 @@ LANES = 256
 # a TPU v5e with random bits (tests/test_on_device.py): a float16 piece came back with its NaNs
 # made canonical, a bfloat16 one reshaped with other bits. Integers are moved, never computed on.
 # Every other type travels as one np.asarray, which is exact for all of them.
-PIECEWISE = {
+PIECEWISE: dict[str, np.dtype] = {
     "float32": np.dtype(np.uint32),
     "int32": np.dtype(np.uint32),
     "uint32": np.dtype(np.uint32),

@@ -44,15 +44,20 @@ def test_the_cores_are_this_process_s_wherever_they_are_numbered():
     assert b.learner_cpus == (4,) and b.actor_cpus == ((9,), (17,), (30,))
 
 
-def test_automatic_budget_when_the_actors_and_the_learner_fill_the_cores():
+def test_automatic_budget_whenever_each_actor_gets_a_core_beside_the_learner_s():
     b = cpus.plan(12, None, range(13))
     assert b.on and b.per_actor == 1 and not b.shared
     assert b.learner_cpus == (0,) and sorted(c for s in b.actor_cpus for c in s) == list(range(1, 13))
     assert "automatic" in b.describe()
-    # 4 actors on 5 cores: one each; on 9 cores they and the learner fit: no budget.
+    # 4 actors on 5 cores: one each; on 9 cores two each (the learner keeps core 0); 2 actors on
+    # 13 cores: six each. Without a budget each actor's XLA sized its pools to every core.
     assert cpus.plan(4, None, range(5)).per_actor == 1
-    off = cpus.plan(4, None, range(9))
-    assert not off.on and off.env() == {} and "fit in 9 cores" in off.describe()
+    two = cpus.plan(4, None, range(9))
+    assert two.on and two.per_actor == 2 and two.learner_cpus == (0,)
+    assert two.env() == {"PJRT_NPROC": "2", "OMP_NUM_THREADS": "2"}
+    assert cpus.plan(2, None, range(13)).actor_cpus == ((1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12))
+    off = cpus.plan(4, 0, range(9))
+    assert not off.on and off.env() == {}
     # One actor competes with nothing; more actors than cores beside the learner's would share.
     assert not cpus.plan(1, None, range(2)).on
     crowded = cpus.plan(2, None, range(2))
