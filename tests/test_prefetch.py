@@ -36,6 +36,7 @@ def test_small_one_device_leaves_start_and_nothing_else(started, monkeypatch):
     deleted = jnp.ones(6)
     deleted.delete()
     big = jnp.zeros((_codec.CHUNKED_MIN // 4,), jnp.float32)  # travels in pieces instead
+    big_half = jnp.zeros((_codec.CHUNKED_MIN // 2,), jnp.float16)  # travels whole: fetched too
     tree = {
         "a": jnp.ones(3),
         "b": [jnp.zeros((2, 2)), np.ones(4), 7, "x"],
@@ -43,9 +44,10 @@ def test_small_one_device_leaves_start_and_nothing_else(started, monkeypatch):
         "cached": cached,
         "deleted": deleted,
         "big": big,
+        "big_half": big_half,
     }
     _codec.prefetch(tree)
-    assert sorted(started) == [(2, 2), (3,)]
+    assert sorted(started) == [(2, 2), (3,), (_codec.CHUNKED_MIN // 2,)]
 
 
 def test_nothing_without_an_accelerator(started, monkeypatch):
@@ -87,7 +89,7 @@ def seen(monkeypatch):
 
 def test_every_message_path_starts_its_leaves_first(seen):
     x = jnp.arange(4.0)
-    data, buffers = jt.dumps({"x": x})
+    jt.dumps({"x": x})
     assert seen == [{"x": x}]
     seen.clear()
     _wire.prepare((x, 1), threshold=1 << 20)
