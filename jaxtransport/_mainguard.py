@@ -5,7 +5,10 @@ spawn and forkserver start each child by running the parent's main script again,
 "__main__":``, would be started again in every child. :func:`unguarded_start` tells, before any
 process starts. A module of its own, importing nothing of jaxtransport's: ``Pool()`` asks it
 before it starts its workers, which it does before importing anything heavier (Note [launch
-first] in ``jaxtransport.pool._launch``).
+first] in ``jaxtransport.pool._launch``). :func:`main_attr`, what a pickle names for an object
+of the main script that travels by reference (Note [user code] in ``_usercode``), lives here
+for the same reason: a pool worker reads such a task with plain ``pickle.loads``, without the
+encoder.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import os
 import sys
 import threading
 import types
+from typing import Any
 
-__all__ = ["is_main_guard", "main_script", "runs_unconditionally", "unguarded_start"]
+__all__ = ["is_main_guard", "main_attr", "main_script", "resolve", "runs_unconditionally", "unguarded_start"]
 
 
 def is_main_guard(test: ast.expr) -> bool:
@@ -43,6 +47,30 @@ def main_script(main: types.ModuleType) -> str | None:
     if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
         return None
     return path
+
+
+def resolve(root: Any, qualname: str) -> Any:
+    """``root``'s attribute at the dotted ``qualname``."""
+    obj = root
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main_attr(name: str) -> Any:
+    """Rebuild a by-reference object: ``__main__``'s attribute ``name`` in this process (the
+    reduction ``_usercode.main_reference`` writes)."""
+    main = sys.modules.get("__main__")
+    try:
+        return resolve(main, name)
+    except AttributeError:
+        where = getattr(main, "__file__", None) or "this process's main module"
+        raise AttributeError(
+            f"jaxtransport: __main__.{name} is not defined in {where} as this process ran it. It "
+            "travelled by reference because the main script binds it at top level (outside "
+            '`if __name__ == "__main__":`); define it unconditionally at the top level of the '
+            "script, or move it into an importable module."
+        ) from None
 
 
 _trees_lock = threading.Lock()

@@ -337,6 +337,10 @@ _START_SCRIPT = textwrap.dedent(
     engine_loaded_at_start = []
     _start = multiprocessing.process.BaseProcess.start
 
+
+    def script_loaded(x=None):  # the script's own function: it travels by its name in __main__
+        return start_tasks.loaded(x)
+
     def recording_start(self):
         engine_loaded_at_start.append("jaxtransport.pool._engine" in sys.modules)
         _start(self)
@@ -346,6 +350,7 @@ _START_SCRIPT = textwrap.dedent(
         with jt.Pool(2) as p:
             print("engine loaded at each start", engine_loaded_at_start)
             print("small", p.apply(start_tasks.loaded, (np.ones(10),)))
+            print("small, the script's function", p.apply(script_loaded, (np.ones(10),)))
             big = p.apply(np.ones, ((1 << 20,),))  # 8 MiB both ways: through shared memory
             print("large", p.apply(start_tasks.loaded, (big,)), float(big.sum()))
         print("worker code in the parent", "jaxtransport.pool._worker" in sys.modules)
@@ -357,8 +362,9 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
     """Note [launch first]: Pool() starts its workers before it imports its engine (their start
     overlaps its imports), and the parent never imports the worker's code. A worker reads a task
     of an importable function with small numpy arguments and answers a scalar without the
-    encoder (``_wire``, ``_usercode``, cloudpickle), and makes its shared-memory arena and
-    mapper only once a task or result needs them."""
+    encoder (``_wire``, ``_usercode``, cloudpickle), nor one of a function of the main script
+    (it travels by its name), and makes its shared-memory arena and mapper only once a task or
+    result needs them."""
     import subprocess
 
     (tmp_path / "start_tasks.py").write_text(_START_TASKS)
@@ -371,6 +377,7 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
     assert proc.stdout.splitlines() == [
         "engine loaded at each start [False, False]",
         "small []",
+        "small, the script's function []",
         f"large {late}'jaxtransport._shm._mapper'] {float(1 << 20)}",
         "worker code in the parent False",
     ], proc.stdout + proc.stderr[-2000:]

@@ -73,8 +73,11 @@ CURRENT = None  # the running worker (for introspection and tests)
 # no name to look up): encode_results pickles them in one call.
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 # In every pickle that refers to anything of jaxtransport's (a reducer, an entry, by-value code,
-# the main script's names): its module names are spelled out in the pickle.
+# the main script's names): its module names are spelled out in the pickle. A name of the main
+# script travels as ``_mainguard.main_attr`` (a small module, which imports nothing of ours): a
+# pickle naming nothing else of jaxtransport's needs no encoder either.
 _OURS = b"jaxtransport"
+_MAIN_NAME = b"jaxtransport._mainguard"
 
 
 class _Worker:
@@ -399,9 +402,10 @@ class _Worker:
                 fn, mode, items = self.wire.decode(
                     data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
                 )
-            elif type(data) is bytes and _OURS not in data:
-                # Nothing of jaxtransport's in it (no array of ours, no entry, no by-value
-                # code): no placement applies, plain pickle reads it as the encoder would.
+            elif type(data) is bytes and data.count(_OURS) == data.count(_MAIN_NAME):
+                # Nothing of jaxtransport's in it but the main script's names (no array of
+                # ours, no entry, no by-value code): no placement applies, plain pickle reads
+                # it as the encoder would.
                 fn, mode, items = pickle.loads(data)
             else:  # nothing in shared memory: only the pickle (under the placement, as decode)
                 fn, mode, items = self.wire.loads(data, self.placement)
