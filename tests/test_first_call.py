@@ -324,6 +324,12 @@ _START_TASKS = textwrap.dedent(
 
     def loaded(x=None):  # a str: a result that needs no encoder either (a list would load it)
         return repr([m for m in LATE if m in sys.modules])
+
+    # Only the parent's pool machinery needs them (RemoteTraceback's base, the pool errors' base).
+    NEVER = ("multiprocessing.pool", "concurrent.futures", "logging", "jaxtransport._os._segments")
+
+    def never(x=None):
+        return repr([m for m in NEVER if m in sys.modules])
     """
 )
 
@@ -351,6 +357,7 @@ _START_SCRIPT = textwrap.dedent(
             print("engine loaded at each start", engine_loaded_at_start)
             print("small", p.apply(start_tasks.loaded, (np.ones(10),)))
             print("small, the script's function", p.apply(script_loaded, (np.ones(10),)))
+            print("never", p.map(start_tasks.never, range(2), chunksize=1))
             big = p.apply(np.ones, ((1 << 20,),))  # 8 MiB both ways: through shared memory
             print("large", p.apply(start_tasks.loaded, (big,)), float(big.sum()))
         print("worker code in the parent", "jaxtransport.pool._worker" in sys.modules)
@@ -363,8 +370,10 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
     overlaps its imports), and the parent never imports the worker's code. A worker reads a task
     of an importable function with small numpy arguments and answers a scalar without the
     encoder (``_wire``, ``_usercode``, cloudpickle), nor one of a function of the main script
-    (it travels by its name), and makes its shared-memory arena and mapper only once a task or
-    result needs them."""
+    (it travels by its name), never imports what only the parent's machinery needs
+    (``multiprocessing.pool``, ``concurrent.futures``, ``logging``) nor the segments' module
+    before it needs shared memory, and makes its shared-memory arena and mapper only once a
+    task or result needs them."""
     import subprocess
 
     (tmp_path / "start_tasks.py").write_text(_START_TASKS)
@@ -378,6 +387,7 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
         "engine loaded at each start [False, False]",
         "small []",
         "small, the script's function []",
+        """never ['[]', '[]']""",
         f"large {late}'jaxtransport._shm._mapper'] {float(1 << 20)}",
         "worker code in the parent False",
     ], proc.stdout + proc.stderr[-2000:]
