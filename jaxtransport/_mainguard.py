@@ -20,7 +20,15 @@ import threading
 import types
 from typing import Any
 
-__all__ = ["is_main_guard", "main_attr", "main_script", "resolve", "runs_unconditionally", "unguarded_start"]
+__all__ = [
+    "is_main_guard",
+    "main_attr",
+    "main_script",
+    "resolve",
+    "runs_unconditionally",
+    "script_tree",
+    "unguarded_start",
+]
 
 
 def is_main_guard(test: ast.expr) -> bool:
@@ -77,15 +85,19 @@ _trees_lock = threading.Lock()
 _trees: dict[str, ast.Module | None] = {}
 
 
-def _script_tree(path: str) -> ast.Module | None:
+def script_tree(path: str) -> ast.Module | None:
+    """The syntax tree of the script at ``path`` (None: unreadable, or not Python), parsed once
+    per process: ``unguarded_start`` reads it before a pool starts, ``_usercode`` for the names
+    the script binds when the first task is pickled (a parse costs ~1 ms per 100 lines)."""
+    key = os.path.abspath(path)
     with _trees_lock:
-        if path not in _trees:
+        if key not in _trees:
             try:
                 with open(path, "rb") as f:
-                    _trees[path] = ast.parse(f.read(), filename=path)
+                    _trees[key] = ast.parse(f.read(), filename=path)
             except (OSError, SyntaxError, ValueError):
-                _trees[path] = None
-        return _trees[path]
+                _trees[key] = None
+        return _trees[key]
 
 
 def runs_unconditionally(stmts: list[ast.stmt], line: int) -> bool | None:
@@ -155,7 +167,7 @@ def unguarded_start(what: str) -> str | None:
     if frame is None:
         return None
     line = frame.f_lineno
-    tree = _script_tree(path)
+    tree = script_tree(path)
     if tree is None or not runs_unconditionally(tree.body, line):
         return None
     try:

@@ -45,7 +45,7 @@ import types
 import weakref
 from typing import Any
 
-from ._mainguard import is_main_guard, main_attr, main_script, resolve
+from ._mainguard import is_main_guard, main_attr, main_script, resolve, script_tree
 from ._pickling import _Pickler
 
 __all__ = [
@@ -119,7 +119,8 @@ _names_cache: tuple[Any, frozenset[str] | None] = (None, None)
 
 def importable_main_names() -> frozenset[str] | None:
     """The top-level names a spawned child's ``__mp_main__`` binds (None: it runs no script).
-    Parsed once per main module; costs one read and parse of the script."""
+    Read once per main module from the script's syntax tree (``_mainguard.script_tree``: one
+    parse per process, shared with the main-guard check)."""
     global _names_cache
     main = sys.modules.get("__main__")
     cached_main, names = _names_cache
@@ -129,11 +130,7 @@ def importable_main_names() -> frozenset[str] | None:
         names = None
         path = main_script(main) if main is not None else None
         if path is not None:
-            try:
-                with open(path, "rb") as f:
-                    tree = ast.parse(f.read(), filename=path)
-            except (OSError, SyntaxError, ValueError):
-                tree = None
+            tree = script_tree(path)  # parsed once per process (Pool() read it already)
             if tree is not None:
                 found: set[str] = set()
                 _bound_names(tree.body, found)
