@@ -414,6 +414,23 @@ def test_workers_import_jax_in_the_background_when_the_parent_has_it(preload):
         assert p.apply(abs, (-2,)) == 2
 
 
+def jax_import_begun(_=None):
+    """(the background JAX import's thread exists, JAX is imported) in this worker."""
+    import threading
+
+    return any(t.name == "jaxtransport-jax-import" for t in threading.enumerate()), "jax" in sys.modules
+
+
+def test_a_task_waiting_when_the_worker_gets_ready_runs_before_the_background_jax_import():
+    """Note [JAX imported in the background]: a new pool's first call, already in the pipe when
+    the worker is ready, runs without the import beside it; the import begins after it."""
+    import jax  # noqa: F401  (this test's parent has JAX loaded: the workers preload it)
+
+    with jt.Pool(1, initializer=time.sleep, initargs=(1.0,)) as p:  # the call waits in the pipe
+        assert p.apply(jax_import_begun) == (False, False)
+        assert wait_until(lambda: _worker_imported_jax(p), 60)
+
+
 def _sum_and_echo(x):
     return int(x[::4096].astype(np.int64).sum()), np.full(x.nbytes, 9, np.uint8)
 
