@@ -13,6 +13,12 @@ PIP := $(PY) -m pip install -q
 # Each target must work as the first command on a fresh clone: its stamp installs every extra
 # that what it runs imports (tests/test_make_targets.py checks this against pyproject.toml).
 STAMP := $(VENV)/.installed
+# Bytecode of the package's own modules, as pip writes it into a user's (non-editable) install:
+# an editable install has none, and where PYTHONDONTWRITEBYTECODE is set (docker/, CI) Python
+# never writes it, so every new process (each Pool worker) compiled jaxtransport from source.
+# Python reads these files under that setting too; one whose source changed since is ignored
+# (the module is compiled in memory, as without it). `make bench` refreshes them first.
+COMPILE := $(PY) -m compileall -q jaxtransport
 DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
 LINT_STAMP := $(VENV)/.installed-lint
@@ -55,16 +61,19 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) -e '.[ray,test,ecosystem,atari,docs,joblib]'
+	$(COMPILE)
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
 	$(PIP) -e .
+	$(COMPILE)
 	touch $(DEMO_STAMP)
 
 # PyPI's torch wheel pulls in CUDA (gigabytes); the CPU wheel comes from PyTorch's index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(BENCH_STAMP): pyproject.toml | $(PY)
 	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench,joblib]'
+	$(COMPILE)
 	touch $(BENCH_STAMP)
 
 # mypy checks against what `make test` installs (Ray, the extras): what it sees, and so which
@@ -140,6 +149,7 @@ docs: $(DOCS_STAMP)
 	@echo "docs: open docs/_build/html/index.html"
 
 bench: $(BENCH_STAMP)
+	$(COMPILE)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:

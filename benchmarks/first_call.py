@@ -250,7 +250,8 @@ def environment() -> str:
 
 def check_targets(rows: list[dict]) -> list[str]:
     """PASS/MISS lines for issue 14: first transfers no slower than Ray's (medians, same run);
-    numpy-only start-up within 1.5x of multiprocessing.Pool; JAX start-up no slower than it."""
+    numpy-only start-up within 1.3x of multiprocessing.Pool (1.5x until issue 43; the figure
+    the issue judges is ``benchmarks.startup``'s); JAX start-up no slower than it."""
     out = []
     for r in rows:
         if r["name"].startswith("first_") and r["transport"] in (JT, JT_RESERVE) and r.get("ratio"):
@@ -258,7 +259,7 @@ def check_targets(rows: list[dict]) -> list[str]:
             out.append(f"{'PASS' if t <= 1.0 else 'MISS'} {r['name']} {r['size_bytes'] // MIB} MiB "
                        f"{r['transport']}: {t:.2f}x Ray's first numpy transfer (<= 1.0x)")
         if r["name"].startswith("startup") and r["transport"] == JT:
-            limit = 1.5 if r["name"] == "startup_numpy" else 1.1
+            limit = 1.3 if r["name"] == "startup_numpy" else 1.1
             v = r["vs_multiprocessing"]
             out.append(f"{'PASS' if v <= limit else 'MISS'} {r['name']}: {v:.2f}x multiprocessing.Pool "
                        f"(<= {limit}x)")

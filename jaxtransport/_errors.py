@@ -21,7 +21,7 @@ __all__ = [
     "PlacementError",
     "PoolStateError",
     "PoolTerminatedError",
-    "RemoteTraceback",
+    "RemoteTraceback",  # defined on first use (_define_remote_traceback)
     "ShmCapacityError",
     "ShmHandleError",
     "TracerTransportError",  # noqa: F822 - defined on first use (_define_tracer_error)
@@ -100,11 +100,15 @@ def __getattr__(name: str) -> type:
     # PEP 562: ``TracerTransportError`` subclasses a JAX class, so it is defined on first access;
     # ``WorkerLostError`` and ``BrokenExecutorError`` subclass ``concurrent.futures``' class,
     # which imports ``logging`` and more: a pool worker, which raises neither, never loads it
-    # (its start is the Pool's first result: Note [launch first] in ``pool._launch``).
+    # (its start is the Pool's first result: Note [launch first] in ``pool._launch``);
+    # ``RemoteTraceback`` subclasses ``multiprocessing.pool``'s, which only the parent's
+    # manager needs, after the workers started.
     if name == "TracerTransportError":
         return _define_tracer_error()
     if name in _BROKEN:
         return _define_broken(name)
+    if name == "RemoteTraceback":
+        return _define_remote_traceback()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -235,23 +239,39 @@ class LockOrderError(RuntimeError):
         return (type(self), self.args)
 
 
-def _mp_remote_traceback() -> type:
-    from multiprocessing.pool import RemoteTraceback as _Base  # type: ignore[attr-defined]
+def _define_remote_traceback() -> type:
+    """``RemoteTraceback``, made once (on first access: its base is in ``multiprocessing.pool``,
+    which a pool worker and a Pool's start otherwise never import) and then a module attribute
+    as any."""
+    with _DEFINE_LOCK:
+        defined = globals().get("RemoteTraceback")
+        if defined is None:
+            from multiprocessing.pool import RemoteTraceback as _Base  # type: ignore[attr-defined]
 
-    return _Base
+            class RemoteTraceback(_Base):
+                """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised
+                errors. A subclass of ``multiprocessing.pool.RemoteTraceback``, so handlers
+                written for the stock pool catch it."""
+
+                def __init__(self, tb: str):
+                    super().__init__(tb)
+                    self.tb = tb
+
+                def __str__(self) -> str:
+                    return self.tb
+
+                def __reduce__(self) -> tuple:
+                    return (type(self), (self.tb,))
+
+            RemoteTraceback.__module__ = __name__
+            RemoteTraceback.__qualname__ = "RemoteTraceback"  # pickled by this name
+            defined = globals()["RemoteTraceback"] = RemoteTraceback
+    return defined
 
 
-class RemoteTraceback(_mp_remote_traceback()):  # type: ignore[misc]
-    """Carries a worker's formatted traceback; attached as ``__cause__`` of re-raised errors.
-    A subclass of ``multiprocessing.pool.RemoteTraceback``, so handlers written for the stock
-    pool catch it."""
+if TYPE_CHECKING:
 
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
+    class RemoteTraceback(Exception):
+        tb: str
 
-    def __str__(self) -> str:
-        return self.tb
-
-    def __reduce__(self) -> tuple:
-        return (RemoteTraceback, (self.tb,))
+        def __init__(self, tb: str) -> None: ...

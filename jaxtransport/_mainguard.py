@@ -5,7 +5,10 @@ spawn and forkserver start each child by running the parent's main script again,
 "__main__":``, would be started again in every child. :func:`unguarded_start` tells, before any
 process starts. A module of its own, importing nothing of jaxtransport's: ``Pool()`` asks it
 before it starts its workers, which it does before importing anything heavier (Note [launch
-first] in ``jaxtransport.pool._launch``).
+first] in ``jaxtransport.pool._launch``). :func:`main_attr`, what a pickle names for an object
+of the main script that travels by reference (Note [user code] in ``_usercode``), lives here
+for the same reason: a pool worker reads such a task with plain ``pickle.loads``, without the
+encoder.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ import os
 import sys
 import threading
 import types
+from typing import Any
 
-__all__ = ["is_main_guard", "main_script", "runs_unconditionally", "unguarded_start"]
+__all__ = [
+    "is_main_guard",
+    "main_attr",
+    "main_script",
+    "resolve",
+    "runs_unconditionally",
+    "script_tree",
+    "unguarded_start",
+]
 
 
 def is_main_guard(test: ast.expr) -> bool:
@@ -45,19 +57,47 @@ def main_script(main: types.ModuleType) -> str | None:
     return path
 
 
+def resolve(root: Any, qualname: str) -> Any:
+    """``root``'s attribute at the dotted ``qualname``."""
+    obj = root
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main_attr(name: str) -> Any:
+    """Rebuild a by-reference object: ``__main__``'s attribute ``name`` in this process (the
+    reduction ``_usercode.main_reference`` writes)."""
+    main = sys.modules.get("__main__")
+    try:
+        return resolve(main, name)
+    except AttributeError:
+        where = getattr(main, "__file__", None) or "this process's main module"
+        raise AttributeError(
+            f"jaxtransport: __main__.{name} is not defined in {where} as this process ran it. It "
+            "travelled by reference because the main script binds it at top level (outside "
+            '`if __name__ == "__main__":`); define it unconditionally at the top level of the '
+            "script, or move it into an importable module."
+        ) from None
+
+
 _trees_lock = threading.Lock()
 _trees: dict[str, ast.Module | None] = {}
 
 
-def _script_tree(path: str) -> ast.Module | None:
+def script_tree(path: str) -> ast.Module | None:
+    """The syntax tree of the script at ``path`` (None: unreadable, or not Python), parsed once
+    per process: ``unguarded_start`` reads it before a pool starts, ``_usercode`` for the names
+    the script binds when the first task is pickled (a parse costs ~1 ms per 100 lines)."""
+    key = os.path.abspath(path)
     with _trees_lock:
-        if path not in _trees:
+        if key not in _trees:
             try:
                 with open(path, "rb") as f:
-                    _trees[path] = ast.parse(f.read(), filename=path)
+                    _trees[key] = ast.parse(f.read(), filename=path)
             except (OSError, SyntaxError, ValueError):
-                _trees[path] = None
-        return _trees[path]
+                _trees[key] = None
+        return _trees[key]
 
 
 def runs_unconditionally(stmts: list[ast.stmt], line: int) -> bool | None:
@@ -127,7 +167,7 @@ def unguarded_start(what: str) -> str | None:
     if frame is None:
         return None
     line = frame.f_lineno
-    tree = _script_tree(path)
+    tree = script_tree(path)
     if tree is None or not runs_unconditionally(tree.body, line):
         return None
     try:

@@ -15,8 +15,9 @@ module semantics:
 1. **By reference** when the receiver has the object: a function, class or other named object
    (a ``jax.jit`` wrapper) bound to a top-level name of the main script -- outside the
    ``if __name__ == "__main__":`` block, found by reading the script's syntax tree, since that is
-   what the child runs -- travels as "``__main__``'s attribute *name*" (:func:`_main_attr`). Both
-   ends resolve it in their own main module, as the stock pool does, results included.
+   what the child runs -- travels as "``__main__``'s attribute *name*"
+   (``_mainguard.main_attr``). Both ends resolve it in their own main module, as the stock pool
+   does, results included.
 2. **By value into one namespace** otherwise (``python -c``, notebooks, ``exec``, a lambda or a
    function defined under the main guard): a function whose globals are the main module's goes
    into one namespace per receiving process that persists for its life. In a child running the
@@ -44,7 +45,7 @@ import types
 import weakref
 from typing import Any
 
-from ._mainguard import is_main_guard, main_script
+from ._mainguard import is_main_guard, main_attr, main_script, resolve, script_tree
 from ._pickling import _Pickler
 
 __all__ = [
@@ -118,7 +119,8 @@ _names_cache: tuple[Any, frozenset[str] | None] = (None, None)
 
 def importable_main_names() -> frozenset[str] | None:
     """The top-level names a spawned child's ``__mp_main__`` binds (None: it runs no script).
-    Parsed once per main module; costs one read and parse of the script."""
+    Read once per main module from the script's syntax tree (``_mainguard.script_tree``: one
+    parse per process, shared with the main-guard check)."""
     global _names_cache
     main = sys.modules.get("__main__")
     cached_main, names = _names_cache
@@ -128,11 +130,7 @@ def importable_main_names() -> frozenset[str] | None:
         names = None
         path = main_script(main) if main is not None else None
         if path is not None:
-            try:
-                with open(path, "rb") as f:
-                    tree = ast.parse(f.read(), filename=path)
-            except (OSError, SyntaxError, ValueError):
-                tree = None
+            tree = script_tree(path)  # parsed once per process (Pool() read it already)
             if tree is not None:
                 found: set[str] = set()
                 _bound_names(tree.body, found)
@@ -141,30 +139,13 @@ def importable_main_names() -> frozenset[str] | None:
     return names
 
 
-def _resolve(root: Any, qualname: str) -> Any:
-    obj = root
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _main_attr(name: str) -> Any:
-    """Rebuild a by-reference object: ``__main__``'s attribute ``name`` in this process."""
-    main = sys.modules.get("__main__")
-    try:
-        return _resolve(main, name)
-    except AttributeError:
-        where = getattr(main, "__file__", None) or "this process's main module"
-        raise AttributeError(
-            f"jaxtransport: __main__.{name} is not defined in {where} as this process ran it. It "
-            "travelled by reference because the main script binds it at top level (outside "
-            '`if __name__ == "__main__":`); define it unconditionally at the top level of the '
-            "script, or move it into an importable module."
-        ) from None
+# The reduction of a by-reference object names ``_mainguard.main_attr`` (a module a pool worker
+# imports anyway); ``_main_attr`` is the name pickles written before it moved there use.
+_main_attr = main_attr
 
 
 def main_reference(obj: Any) -> tuple | None:
-    """``(_main_attr, (name,))`` for an object both ends' ``__main__`` bind under ``name``."""
+    """``(main_attr, (name,))`` for an object both ends' ``__main__`` bind under ``name``."""
     try:
         module = obj.__module__
         qualname = obj.__qualname__
@@ -178,15 +159,15 @@ def main_reference(obj: Any) -> tuple | None:
     main = sys.modules.get("__main__")
     if qualname.split(".", 1)[0] in names:
         try:
-            if _resolve(main, qualname) is obj:
-                return (_main_attr, (qualname,))
+            if resolve(main, qualname) is obj:
+                return (main_attr, (qualname,))
         except AttributeError:
             pass
     # An alias: `step = jax.jit(_step)` carries the wrapped function's name.
     ns = vars(main)
     for name in names:
         if ns.get(name) is obj:
-            return (_main_attr, (name,))
+            return (main_attr, (name,))
     return None
 
 

@@ -214,3 +214,26 @@ def test_no_package_reaches_into_a_siblings_private_modules():
         and MODULES[t].name != "__init__.py"  # a private subpackage's interface (_os, _shm)
     }
     assert not reaches, sorted(reaches)
+
+
+def test_every_name_a_package_loads_on_first_access_is_defined_where_it_says():
+    """The interfaces that import their modules on first access (PEP 562: the top level, the
+    Pool, the OS facilities, shared memory) name, for each public name, the module defining it;
+    a name in ``__all__`` is either in that table or defined by the interface itself. (Some
+    are themselves made on first access: ``_errors``' pool errors.)"""
+    import importlib
+
+    tables = {
+        "jaxtransport": "_PUBLIC",
+        "jaxtransport.pool": "_PUBLIC",
+        "jaxtransport._os": "_NAMES",
+        "jaxtransport._shm": "_LAZY",
+    }
+    for package, table in tables.items():
+        pkg = importlib.import_module(package)
+        lazy = getattr(pkg, table)
+        for name, module in lazy.items():
+            mod = importlib.import_module(module if module.startswith(".") else f".{module}", package)
+            assert hasattr(mod, name), (package, name, module)
+        for name in pkg.__all__:
+            assert name in lazy or name in vars(pkg), (package, name)

@@ -217,3 +217,26 @@ def test_plot_skips_rows_without_a_size_sweep(tmp_path):
             for t in ("a", "b")]
     assert not runner.plot("m", mod, rows, str(tmp_path / "m.png"))
     assert not (tmp_path / "m.png").exists()
+
+
+def test_the_startup_benchmark_says_whether_the_package_had_bytecode(tmp_path):
+    """benchmarks/startup.py records whether jaxtransport's modules had bytecode the probes'
+    imports use (a start-up without it compiles every module: issue 43): none, all of it, or
+    some (a source edited after ``compileall``)."""
+    import importlib.util
+    import py_compile
+
+    from benchmarks import startup
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    sources = [pkg / "__init__.py", pkg / "a.py", pkg / "sub" / "__init__.py"]
+    for src in sources:
+        src.write_text("X = 1\n")
+    assert startup.bytecode_state(str(pkg)) == "none"
+    for src in sources:  # as compileall writes them, whatever PYTHONDONTWRITEBYTECODE says
+        py_compile.compile(str(src), cfile=importlib.util.cache_from_source(str(src)))
+    assert startup.bytecode_state(str(pkg)) == "current"
+    sources[1].write_text("X = 22\n")  # edited since: its bytecode is stale (size and mtime)
+    os.utime(sources[1], (1, 1))
+    assert startup.bytecode_state(str(pkg)) == "2 of 3 modules"

@@ -322,8 +322,14 @@ _START_TASKS = textwrap.dedent(
     LATE = ("jaxtransport._wire", "jaxtransport._usercode", "cloudpickle", "jaxtransport._shm._arena",
             "jaxtransport._shm._mapper")
 
-    def loaded(x=None):
-        return [m for m in LATE if m in sys.modules]
+    def loaded(x=None):  # a str: a result that needs no encoder either (a list would load it)
+        return repr([m for m in LATE if m in sys.modules])
+
+    # Only the parent's pool machinery needs them (RemoteTraceback's base, the pool errors' base).
+    NEVER = ("multiprocessing.pool", "concurrent.futures", "logging", "jaxtransport._os._segments")
+
+    def never(x=None):
+        return repr([m for m in NEVER if m in sys.modules])
     """
 )
 
@@ -337,6 +343,10 @@ _START_SCRIPT = textwrap.dedent(
     engine_loaded_at_start = []
     _start = multiprocessing.process.BaseProcess.start
 
+
+    def script_loaded(x=None):  # the script's own function: it travels by its name in __main__
+        return start_tasks.loaded(x)
+
     def recording_start(self):
         engine_loaded_at_start.append("jaxtransport.pool._engine" in sys.modules)
         _start(self)
@@ -346,6 +356,8 @@ _START_SCRIPT = textwrap.dedent(
         with jt.Pool(2) as p:
             print("engine loaded at each start", engine_loaded_at_start)
             print("small", p.apply(start_tasks.loaded, (np.ones(10),)))
+            print("small, the script's function", p.apply(script_loaded, (np.ones(10),)))
+            print("never", p.map(start_tasks.never, range(2), chunksize=1))
             big = p.apply(np.ones, ((1 << 20,),))  # 8 MiB both ways: through shared memory
             print("large", p.apply(start_tasks.loaded, (big,)), float(big.sum()))
         print("worker code in the parent", "jaxtransport.pool._worker" in sys.modules)
@@ -357,8 +369,11 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
     """Note [launch first]: Pool() starts its workers before it imports its engine (their start
     overlaps its imports), and the parent never imports the worker's code. A worker reads a task
     of an importable function with small numpy arguments and answers a scalar without the
-    encoder (``_wire``, ``_usercode``, cloudpickle), and makes its shared-memory arena and
-    mapper only once a task or result needs them."""
+    encoder (``_wire``, ``_usercode``, cloudpickle), nor one of a function of the main script
+    (it travels by its name), never imports what only the parent's machinery needs
+    (``multiprocessing.pool``, ``concurrent.futures``, ``logging``) nor the segments' module
+    before it needs shared memory, and makes its shared-memory arena and mapper only once a
+    task or result needs them."""
     import subprocess
 
     (tmp_path / "start_tasks.py").write_text(_START_TASKS)
@@ -371,6 +386,8 @@ def test_pool_starts_workers_first_and_they_import_only_what_tasks_need(tmp_path
     assert proc.stdout.splitlines() == [
         "engine loaded at each start [False, False]",
         "small []",
+        "small, the script's function []",
+        """never ['[]', '[]']""",
         f"large {late}'jaxtransport._shm._mapper'] {float(1 << 20)}",
         "worker code in the parent False",
     ], proc.stdout + proc.stderr[-2000:]
@@ -395,6 +412,23 @@ def test_workers_import_jax_in_the_background_when_the_parent_has_it(preload):
             time.sleep(1.0)  # time enough for a background import to have begun
             assert not _worker_imported_jax(p)
         assert p.apply(abs, (-2,)) == 2
+
+
+def jax_import_begun(_=None):
+    """(the background JAX import's thread exists, JAX is imported) in this worker."""
+    import threading
+
+    return any(t.name == "jaxtransport-jax-import" for t in threading.enumerate()), "jax" in sys.modules
+
+
+def test_a_task_waiting_when_the_worker_gets_ready_runs_before_the_background_jax_import():
+    """Note [JAX imported in the background]: a new pool's first call, already in the pipe when
+    the worker is ready, runs without the import beside it; the import begins after it."""
+    import jax  # noqa: F401  (this test's parent has JAX loaded: the workers preload it)
+
+    with jt.Pool(1, initializer=time.sleep, initargs=(1.0,)) as p:  # the call waits in the pipe
+        assert p.apply(jax_import_begun) == (False, False)
+        assert wait_until(lambda: _worker_imported_jax(p), 60)
 
 
 def _sum_and_echo(x):

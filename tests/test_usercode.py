@@ -340,7 +340,7 @@ NAMED = textwrap.dedent(
 
     def carried(fn):
         prep = _wire.prepare((_wire.task_function(fn), "apply", [((1,), {})]), threshold=None)
-        return {"fast": b"cloudpickle" not in prep.data, "by_name": b"_main_attr" in prep.data}
+        return {"fast": b"cloudpickle" not in prep.data, "by_name": b"main_attr" in prep.data}
 
     if __name__ == "__main__":
         out = {"task": carried(task), "alias": carried(alias), "lambda": carried(lambda x: x)}

@@ -30,68 +30,146 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
 
 ``JAXTRANSPORT_PLATFORM`` (``_mode``) selects a column on any host: ``portable`` or ``inband``
 (unset, ``auto``: feature detection). Spawned workers inherit it. Callers import this package's
-names, never its modules, and never test ``sys.platform``.
+names, never its modules, and never test ``sys.platform``; each name's module is imported on
+first access (a worker loads only the facilities its tasks use).
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
+from typing import TYPE_CHECKING, Any
 
-from ._channels import (
-    DONTWAIT,
-    fd_passing,
-    framing,
-    is_stream,
-    message_socketpair,
-    recv_fd,
-    recv_message,
-    send_fd,
-    send_message,
-    stream_locks,
-)
-from ._locks import SEM_BYTES, SemLock, init_semaphore, record_locks, semaphores, try_lock_range, unlock_range
-from ._mode import ENV, mode
-from ._pipes import (
-    IOV,
-    Poller,
-    Wake,
-    advance,
-    kill_probes,
-    nowait_receiver,
-    nowait_sender,
-    parent_socket,
-    posix_io,
-    send_some,
-    wait_readable,
-    worker_pipe,
-    worker_reader_socket,
-    worker_writer,
-)
-from ._procinfo import (
-    cpu_affinity,
-    cpu_count,
-    fd_limit,
-    free_memory,
-    has_proc,
-    nvidia_gpu_count,
-    process_token,
-    set_cpu_affinity,
-    wait_for_exit,
-)
-from ._segments import (
-    PAGE,
-    addr,
-    can_grow,
-    capacity_failure,
-    create_segment,
-    format_bytes,
-    grow_segment,
-    populate,
-    populate_method,
-    segment_kind,
-)
-from ._starts import start_context
+# Each name and the module that defines it, imported on first access (PEP 562): a process loads
+# only the facilities it uses (a pool worker running numpy tasks: its pipes, the liveness
+# watch, the take-back lock and the start method; not segments or fd passing until a task
+# needs shared memory).
+_NAMES = {
+    "DONTWAIT": "_channels",
+    "fd_passing": "_channels",
+    "framing": "_channels",
+    "is_stream": "_channels",
+    "message_socketpair": "_channels",
+    "recv_fd": "_channels",
+    "recv_message": "_channels",
+    "send_fd": "_channels",
+    "send_message": "_channels",
+    "stream_locks": "_channels",
+    "SEM_BYTES": "_locks",
+    "SemLock": "_locks",
+    "init_semaphore": "_locks",
+    "record_locks": "_locks",
+    "semaphores": "_locks",
+    "try_lock_range": "_locks",
+    "unlock_range": "_locks",
+    "ENV": "_mode",
+    "mode": "_mode",
+    "IOV": "_pipes",
+    "Poller": "_pipes",
+    "Wake": "_pipes",
+    "advance": "_pipes",
+    "kill_probes": "_pipes",
+    "nowait_receiver": "_pipes",
+    "nowait_sender": "_pipes",
+    "parent_socket": "_pipes",
+    "posix_io": "_pipes",
+    "send_some": "_pipes",
+    "wait_readable": "_pipes",
+    "worker_pipe": "_pipes",
+    "worker_reader_socket": "_pipes",
+    "worker_writer": "_pipes",
+    "cpu_affinity": "_procinfo",
+    "cpu_count": "_procinfo",
+    "fd_limit": "_procinfo",
+    "free_memory": "_procinfo",
+    "has_proc": "_procinfo",
+    "nvidia_gpu_count": "_procinfo",
+    "process_token": "_procinfo",
+    "set_cpu_affinity": "_procinfo",
+    "wait_for_exit": "_procinfo",
+    "PAGE": "_segments",
+    "addr": "_segments",
+    "can_grow": "_segments",
+    "capacity_failure": "_segments",
+    "create_segment": "_segments",
+    "format_bytes": "_segments",
+    "grow_segment": "_segments",
+    "populate": "_segments",
+    "populate_method": "_segments",
+    "segment_kind": "_segments",
+    "start_context": "_starts",
+}
+
+if TYPE_CHECKING:
+    from ._channels import (
+        DONTWAIT,
+        fd_passing,
+        framing,
+        is_stream,
+        message_socketpair,
+        recv_fd,
+        recv_message,
+        send_fd,
+        send_message,
+        stream_locks,
+    )
+    from ._locks import SEM_BYTES, SemLock, init_semaphore, record_locks, semaphores, try_lock_range, unlock_range
+    from ._mode import ENV, mode
+    from ._pipes import (
+        IOV,
+        Poller,
+        Wake,
+        advance,
+        kill_probes,
+        nowait_receiver,
+        nowait_sender,
+        parent_socket,
+        posix_io,
+        send_some,
+        wait_readable,
+        worker_pipe,
+        worker_reader_socket,
+        worker_writer,
+    )
+    from ._procinfo import (
+        cpu_affinity,
+        cpu_count,
+        fd_limit,
+        free_memory,
+        has_proc,
+        nvidia_gpu_count,
+        process_token,
+        set_cpu_affinity,
+        wait_for_exit,
+    )
+    from ._segments import (
+        PAGE,
+        addr,
+        can_grow,
+        capacity_failure,
+        create_segment,
+        format_bytes,
+        grow_segment,
+        populate,
+        populate_method,
+        segment_kind,
+    )
+    from ._starts import start_context
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "DONTWAIT",
@@ -160,10 +238,16 @@ IN_BAND_THRESHOLD = 1 << 62  # an shm_threshold no array reaches: everything ins
 def in_band() -> bool:
     """Whether arrays must travel inside the pickles here: no shared memory that can be
     passed to another process (no fd passing, or no segments)."""
+    from ._channels import fd_passing
+    from ._segments import segment_kind
+
     return not fd_passing() or segment_kind() is None
 
 
 def _in_band_reason() -> str:
+    from ._channels import fd_passing
+    from ._mode import ENV, mode
+
     if mode() == "inband":
         return f"{ENV}=inband is set"
     if not fd_passing():
@@ -193,6 +277,13 @@ def warn_in_band(what: str) -> None:
 
 def describe() -> dict:
     """What this process chose for each facility (for benchmarks and bug reports)."""
+    from ._channels import fd_passing, framing
+    from ._locks import record_locks, semaphores
+    from ._mode import mode
+    from ._pipes import posix_io
+    from ._procinfo import cpu_count, has_proc
+    from ._segments import populate_method, segment_kind
+
     return {
         "mode": mode(),
         "segments": segment_kind() or "none (in-band)",

@@ -79,4 +79,7 @@ def default_capacity(share: float = 1.0) -> int:
     return max(int(free_memory() // 2 * share), MIN_CAPACITY)
 
 
-format_bytes = _os.format_bytes
+def format_bytes(n: float) -> str:
+    """``n`` bytes for an error message (``_os.format_bytes``, looked up when called: a process
+    that only parses handles does not load the segments' module)."""
+    return _os.format_bytes(n)

@@ -88,11 +88,11 @@ class Pool:
         off your call's path). Within shm_capacity, else ValueError; a system without the
         memory raises ShmCapacityError from the first call that needs memory.
       preload_jax: whether each worker imports JAX (and starts its backend) on a thread of its
-        own as soon as it is ready, so that the first task that needs JAX does not pay the
-        import (1.5-3 s). Default (None): when this process has imported JAX; a numpy-only
-        program that never imports JAX starts workers that never import it either. Costs
-        each worker JAX's memory (~100-200 MB) and CPU while it imports, shared with any task
-        already running there.
+        own as soon as it is ready (after the first task, when one is already waiting for it),
+        so that the first task that needs JAX does not pay the import (1.5-3 s). Default
+        (None): when this process has imported JAX; a numpy-only program that never imports
+        JAX starts workers that never import it either. Costs each worker JAX's memory
+        (~100-200 MB) and CPU while it imports, shared with any task already running there.
 
     Received arrays alias shared memory that returns to the sender's pool only when the last
     reference to them (and to anything derived from their buffer) is gone. Numpy arrays received

@@ -73,8 +73,11 @@ CURRENT = None  # the running worker (for introspection and tests)
 # no name to look up): encode_results pickles them in one call.
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 # In every pickle that refers to anything of jaxtransport's (a reducer, an entry, by-value code,
-# the main script's names): its module names are spelled out in the pickle.
+# the main script's names): its module names are spelled out in the pickle. A name of the main
+# script travels as ``_mainguard.main_attr`` (a small module, which imports nothing of ours): a
+# pickle naming nothing else of jaxtransport's needs no encoder either.
 _OURS = b"jaxtransport"
+_MAIN_NAME = b"jaxtransport._mainguard"
 
 
 class _Worker:
@@ -305,10 +308,7 @@ class _Worker:
             self.send(self.protocol.Ready(False, _pack_error(e)))
             return
         self.send(self.protocol.Ready(True, None))
-        if cfg.preload_jax and "jax" not in sys.modules:
-            import numpy  # noqa: F401  (on this thread first: Note [JAX imported in the background])
-
-            _start_jax_import()
+        preload = cfg.preload_jax and "jax" not in sys.modules
         done = 0
         maxtasks = cfg.maxtasks
         while True:
@@ -317,7 +317,17 @@ class _Worker:
             else:
                 m, a = self._mapper, self._arena  # None until shared memory is used
                 busy = (m is not None and m.pending) or (a is not None and a.has_forgotten())
-                msg = self.recv(self.protocol.RELEASE_FLUSH_S if busy else (0.2 if m is not None and m.live else None))
+                timeout = self.protocol.RELEASE_FLUSH_S if busy else (0.2 if m is not None and m.live else None)
+                msg = self.recv(0 if preload else timeout)
+                if preload and (msg is None or done):
+                    # Once nothing waits to run, or the first chunk is done (Note [JAX imported
+                    # in the background]).
+                    preload = False
+                    import numpy  # noqa: F401  (on this thread first: the same Note)
+
+                    _start_jax_import()
+                    if msg is None:
+                        msg = self.recv(timeout)
                 if msg is None:
                     self.flush_releases()
                     continue
@@ -399,9 +409,10 @@ class _Worker:
                 fn, mode, items = self.wire.decode(
                     data, entries, self.mapper, self.placement, trees=self.tree, unheld=unheld
                 )
-            elif type(data) is bytes and _OURS not in data:
-                # Nothing of jaxtransport's in it (no array of ours, no entry, no by-value
-                # code): no placement applies, plain pickle reads it as the encoder would.
+            elif type(data) is bytes and data.count(_OURS) == data.count(_MAIN_NAME):
+                # Nothing of jaxtransport's in it but the main script's names (no array of
+                # ours, no entry, no by-value code): no placement applies, plain pickle reads
+                # it as the encoder would.
                 fn, mode, items = pickle.loads(data)
             else:  # nothing in shared memory: only the pickle (under the placement, as decode)
                 fn, mode, items = self.wire.loads(data, self.placement)
@@ -481,10 +492,14 @@ class _Worker:
 # Note [JAX imported in the background]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Pool(preload_jax=...) has each worker import JAX on a thread of its own once it is ready, so
-# the first task that needs JAX does not pay the import. Two threads importing JAX's modules at
-# once is not safe: JAX's modules import each other in cycles, and a second thread that enters
-# the cycle elsewhere (unpickling a jitted function's wrapper class, say) gets CPython's "partially
-# initialized module" ImportError where the import locks would deadlock. So while the
+# the first task that needs JAX does not pay the import. It begins once the worker finds no
+# message waiting, or after its first chunk: a task already in the pipe when the worker gets
+# ready (a new pool's first call) runs first, without the import taking the GIL from it every
+# switch interval (a task that needs JAX imports it itself then, as it would wait for it).
+# Two threads importing JAX's modules at once is not safe: JAX's modules import each other in
+# cycles, and a second thread that enters the cycle elsewhere (unpickling a jitted function's
+# wrapper class, say) gets CPython's "partially initialized module" ImportError where the
+# import locks would deadlock. So while the
 # background import runs, ``builtins.__import__`` is wrapped: an import of ``jax``/``jaxlib``
 # (or below) by any other thread waits until the background import is done, then proceeds (it
 # finds everything imported). Import statements and pickle's class lookups go through
