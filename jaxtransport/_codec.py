@@ -182,7 +182,7 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
             "jax.experimental.multihost_utils.process_allgather."
         )
     sharding_meta = _encode_sharding(x.sharding)
-    fetch = _fetch_host if host else _host_or_device
+    fetch = np.asarray if host else _host_or_device
     if x.is_fully_replicated:
         buffers = [fetch(x if len(x.sharding.device_set) == 1 else x.addressable_shards[0].data)]
         indices: tuple = ()
@@ -229,11 +229,6 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # NaNs made canonical and a reshaped bfloat16 one with other bits, and the float32, uint8 and
 # int8 pieces were then checked bit for bit on the chip through the integer view
 # (tests/test_on_device.py, random bits). Types outside PIECEWISE travel as one ``np.asarray``.
-#
-# ``jt.dumps`` (and every other in-band or out-of-band encoding, ``encode`` with ``host=True``)
-# takes such an array the same way into a fresh host buffer of its own, where ``np.asarray``
-# would have taken it whole: the buffer's pages are faulted in by the copy, as ``np.asarray``'s
-# are, and JAX keeps no host copy of the array afterwards (``np.asarray`` caches one).
 #
 # Costs: one compile of the slicing function per shape, dtype and piece size (cached by jit),
 # and up to WINDOW pieces of device memory while it runs. An array whose host copy JAX already
@@ -339,46 +334,16 @@ def copy_into(b: Any, dst: np.ndarray) -> None:
     if isinstance(b, np.ndarray):
         np.copyto(dst, b.reshape(-1).view(np.uint8))
         return
-    plan = _piece_plan(b)
-    if plan is None:
+    nbytes = host_nbytes(b)
+    rows = b.shape[0] if b.ndim else 0
+    row_elems = math.prod(b.shape[1:])
+    per = _rows_per_piece(rows, nbytes, row_elems) if rows else 0
+    as_bits = PIECEWISE.get(str(b.dtype))
+    if nbytes < CHUNKED_MIN or as_bits is None or not 1 <= per < rows:
         np.copyto(dst, np.asarray(b).reshape(-1).view(np.uint8))
         return
-    _copy_in_pieces(b, dst, *plan)
-
-
-def _piece_plan(b: Any) -> tuple[int, int, int, int, np.dtype] | None:
-    """``(rows, rows per piece, bytes per row, lanes, unsigned view)`` for a one-device array
-    off the host that travels in pieces, or None when it travels whole (Note [device to host
-    in chunks])."""
-    nbytes = host_nbytes(b)
-    as_bits = PIECEWISE.get(str(b.dtype))
-    if nbytes < CHUNKED_MIN or as_bits is None or not b.ndim:
-        return None
-    rows = b.shape[0]
-    row_elems = math.prod(b.shape[1:])
-    per = _rows_per_piece(rows, nbytes, row_elems)
-    if not 1 <= per < rows:
-        return None
     lanes = LANES if LANES and (per * row_elems) % LANES == 0 else 0
-    return rows, per, nbytes // rows, lanes, as_bits
-
-
-def _fetch_host(a: Any) -> np.ndarray:
-    """``np.asarray(a)`` for :func:`encode` with ``host=True`` (``jt.dumps``, Ray's and the
-    in-band reducers): a large one-device array off the host of a PIECEWISE type comes in
-    pieces into a fresh host buffer instead (Note [device to host in chunks]); one whose host
-    copy JAX already holds, from there."""
-    if _on_host(a) or len(a.sharding.device_set) != 1:
-        return np.asarray(a)
-    cached = _compat.cached_host_copy(a)
-    if cached is not None:
-        return cached
-    plan = _piece_plan(a)
-    if plan is None:
-        return np.asarray(a)
-    dst = np.empty(host_nbytes(a), np.uint8)
-    _copy_in_pieces(a, dst, *plan)
-    return dst.view(np.dtype(a.dtype)).reshape(a.shape)
+    _copy_in_pieces(b, dst, rows, per, nbytes // rows, lanes, as_bits)
 
 
 def _rows_per_piece(rows: int, nbytes: int, row_elems: int) -> int:

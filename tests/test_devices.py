@@ -287,36 +287,3 @@ def test_pieces_are_whole_rows_of_lanes_where_they_can_be(rows, row_elems, nbyte
     assert per == want
     if 1 <= per < rows:
         assert (per * row_elems) % _codec.LANES == 0 or per * row_elems < _codec.LANES
-
-
-@pytest.mark.parametrize("dtype", ["float32", "int8", "uint16"])
-@pytest.mark.parametrize("shape", [(1000, 33), (3000,), (64, 64), (5, 4, 3)])
-def test_dumps_takes_a_large_device_array_in_pieces_bit_exact(monkeypatch, dtype, shape):
-    """``jt.dumps`` (``encode(host=True)``) brings a large one-device array off the host into a
-    fresh buffer in pieces (forced here on CPU arrays, with tiny pieces); what it sends is the
-    array's bytes, in its shape, and the array travels whole where it has a host copy already."""
-    calls = []
-    pieces = _codec._copy_in_pieces
-
-    def counted(*args, **kwargs):
-        calls.append(args[2:])
-        return pieces(*args, **kwargs)
-
-    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
-    monkeypatch.setattr(_codec, "CHUNK_BYTES", 600)
-    monkeypatch.setattr(_codec, "MIN_PIECE", 1)
-    monkeypatch.setattr(_codec, "_on_host", lambda a: False)
-    monkeypatch.setattr(_codec, "_copy_in_pieces", counted)
-    monkeypatch.setattr(_codec._compat, "cached_host_copy", lambda a: None)
-    a = np.random.default_rng(1).integers(-100, 100, shape).astype(dtype)
-    x = jnp.asarray(a)
-    meta, buffers = _codec.encode(x)
-    assert len(calls) == 1 and calls[0][0] == shape[0]
-    assert buffers[0].dtype == a.dtype and buffers[0].shape == a.shape and buffers[0].flags.c_contiguous
-    assert buffers[0].tobytes() == a.tobytes()
-    y = jt.loads(*jt.dumps(x), placement="host")
-    assert y.dtype == a.dtype and y.shape == a.shape and y.tobytes() == a.tobytes()
-
-    monkeypatch.setattr(_codec._compat, "cached_host_copy", lambda b: a)
-    calls.clear()
-    assert _codec.encode(x)[1][0] is a and not calls
