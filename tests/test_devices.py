@@ -7,6 +7,7 @@ What runs on a real accelerator is tests/test_on_device.py (``make test-device``
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import os
 import pickle
@@ -287,3 +288,54 @@ def test_pieces_are_whole_rows_of_lanes_where_they_can_be(rows, row_elems, nbyte
     assert per == want
     if 1 <= per < rows:
         assert (per * row_elems) % _codec.LANES == 0 or per * row_elems < _codec.LANES
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8", "uint16", "int32"])
+@pytest.mark.parametrize("shape", [(1000, 33), (3000,), (64, 64), (5, 4, 3), (1, 7, 300)])
+@pytest.mark.parametrize("weak", [False, True])
+def test_decode_puts_a_large_array_in_pieces_bit_exact(monkeypatch, dtype, shape, weak):
+    """Onto an accelerator a large array goes in pieces joined on the device (Note [host to
+    device in pieces]; forced here on the CPU): the same bytes (random bits: NaN payloads), shape
+    and type, weak where the sender's was, uncommitted on the default device as
+    ``jax.device_put`` leaves it; through ``jt.loads`` and through a decoder used twice."""
+    joined = []
+    joiner = _codec._joiner
+
+    def counted(shape, dtype):
+        joined.append((shape, dtype))
+        return joiner(shape, dtype)
+
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "_default_platform", lambda: "tpu")
+    monkeypatch.setattr(_codec, "_joiner", counted)
+    a = np.random.default_rng(2).integers(0, 256, (math.prod(shape) * np.dtype(dtype).itemsize,), np.uint8)
+    a = a.view(dtype).reshape(shape)
+    x = jnp.asarray(a)
+    if weak:
+        x = _codec._compat.with_weak_type(x)
+    y = jt.loads(*jt.dumps(x))
+    assert joined and joined[0] == (shape, np.dtype(dtype))
+    assert isinstance(y, jax.Array) and y.dtype == a.dtype and y.shape == a.shape
+    assert np.asarray(y).tobytes() == a.tobytes()
+    assert y.weak_type == weak and y._committed is False
+    assert y.sharding == jax.device_put(a).sharding
+    meta, buffers = _codec.encode(x)
+    again = _codec.decoder(meta, buffers)
+    z1, z2 = again(), again()
+    assert z1 is not z2 and np.asarray(z1).tobytes() == np.asarray(z2).tobytes() == a.tobytes()
+    assert z2.weak_type == weak
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "bool", "complex64", "float8_e4m3fn"])
+def test_types_the_chip_may_change_go_to_it_whole(monkeypatch, dtype):
+    """Only PIECEWISE types go to an accelerator in pieces (Note [host to device in pieces])."""
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "_default_platform", lambda: "tpu")
+    monkeypatch.setattr(_codec, "_joiner", lambda *a: pytest.fail(f"{dtype} went in pieces"))
+    a = np.zeros((300, 8), dtype)
+    assert np.asarray(jt.loads(*jt.dumps(jnp.asarray(a)))).tobytes() == a.tobytes()
+
+
+def test_on_the_cpu_a_large_array_is_put_whole():
+    """On the CPU ``device_put`` aliases an aligned buffer: nothing goes in pieces there."""
+    assert _codec._piece_count(np.zeros(4 << 20, np.float32)) == 0

@@ -129,7 +129,8 @@ def test_large_arrays_cross_in_pieces_bit_exact(device):
     unsigned integers (random bits: NaN payloads and subnormals must survive): rows not a
     multiple of a piece, 1-row arrays, 3-D and 4-D arrays, a 64-wide minor dimension, flat
     arrays, uint8, int8; and the types that travel whole instead (bf16, float16, float8, bool,
-    complex64)."""
+    complex64). Decoded back onto the chip, the same arrays go in pieces the other way (Note
+    [host to device in pieces])."""
     from jaxtransport import _codec
 
     cases = [
@@ -151,6 +152,14 @@ def test_large_arrays_cross_in_pieces_bit_exact(device):
         dst = np.empty(_codec.host_nbytes(x), np.uint8)
         _codec.copy_into(x, dst)
         assert dst.tobytes() == a.tobytes()
+        y = jt.loads(*jt.dumps(x))  # onto the chip in pieces (Note [host to device in pieces])
+        assert y.dtype == a.dtype and y.shape == a.shape and y.devices() == {device}
+        assert np.asarray(y).tobytes() == a.tobytes(), (shape, dtype)
+        del x, y
+    w = _codec._compat.with_weak_type(jax.device_put(_bits("float32", (3 * MiB,), seed=2), device))
+    y = jt.loads(*jt.dumps(w))
+    assert y.weak_type and y._committed == jax.device_put(np.asarray(w))._committed
+    assert np.asarray(y).tobytes() == np.asarray(w).tobytes()
 
 
 def test_tracers_fail_fast(device, pool):
