@@ -549,22 +549,22 @@ def _device() -> None:
 
 def _rollouts_scale() -> None:
     # benchmarks/rollouts_scale.py: env steps/s with more actors, learner on the CPU or the device.
-    # Only the runs the published file holds (its time limit was reached before the learner-on-CPU
-    # runs at 4 and 8 actors and their budget checks).
-    measured = [(b, "tpu", n) for b in ("queue", "pool") for n in (2, 4, 8, 12)]
-    measured += [(b, "cpu", n) for b in ("queue", "pool") for n in (2, 12)] + [("queue", "tpu", 1)]
+    measured = [(b, lrn, n) for b in ("queue", "pool") for lrn in ("tpu", "cpu") for n in (2, 4, 8, 12)]
+    measured += [("queue", "tpu", 1)]
     for backend, learner, actors in measured:
         where = {"name": "rollouts-scale", "backend": backend, "learner": learner, "actors": actors}
         tag = f"scale.{backend}.{learner}.{actors}"
         FIGURES[f"{tag}.steps"] = F("rollouts_scale", "env_steps_per_s", "steps", **where)
         FIGURES[f"{tag}.vs_2"] = F("rollouts_scale", "ratio_vs_2", "x", **where)
         FIGURES[f"{tag}.compute_vs_2"] = F("rollouts_scale", "compute_vs_fewest", "x", **where)
-        for field in ("actor_compute_s", "learner_s", "transport_s", "wall_s", "transport_share"):
+        for field in ("actor_compute_s", "actor_compute_mean_s", "learner_s", "transport_s", "wall_s",
+                      "transport_share"):
             FIGURES[f"{tag}.{field}"] = F("rollouts_scale", field, "s" if field != "transport_share" else "pct",
                                           **where)
-    for backend in ("queue", "pool"):  # (d): the budget turned the other way at 12 actors
-        where = {"name": "rollouts-scale-budget", "backend": backend, "learner": "tpu", "actors": 12}
-        tag = f"scale.{backend}.tpu.12.other_budget"
+    for backend, learner in [(b, lrn) for b in ("queue", "pool") for lrn in ("tpu", "cpu")]:
+        # (d): the budget turned the other way at 12 actors
+        where = {"name": "rollouts-scale-budget", "backend": backend, "learner": learner, "actors": 12}
+        tag = f"scale.{backend}.{learner}.12.other_budget"
         FIGURES[f"{tag}.steps"] = F("rollouts_scale", "env_steps_per_s", "steps", **where)
         FIGURES[f"{tag}.compute_vs_2"] = F("rollouts_scale", "compute_vs_fewest", "x", **where)
 
