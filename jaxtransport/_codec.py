@@ -660,8 +660,11 @@ def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, aligned:
 # gives: on the default device, uncommitted, weak-typed where the sender's was. Costs: one
 # compile per shape and type (cached by jit) and, while it runs, the pieces beside the result
 # in device memory (twice the array). On the CPU nothing changes: ``device_put`` there aliases
-# an aligned buffer and copies nothing.
+# an aligned buffer and copies nothing. Arrays over H2D_MAX bytes go whole (the pieces' second
+# copy in device memory stays bounded; the gain was measured at 256 MiB), and where the device
+# runs out of memory for the pieces or their join, the array goes whole instead.
 H2D_PIECES = 8
+H2D_MAX = 1 << 30
 
 
 def _default_platform() -> str:
@@ -675,7 +678,7 @@ def _piece_count(host: np.ndarray) -> int:
     """How many pieces ``host`` goes to the default device in (Note [host to device in
     pieces]); 0 when it goes whole."""
     if (
-        host.nbytes < CHUNKED_MIN
+        not CHUNKED_MIN <= host.nbytes <= H2D_MAX
         or str(host.dtype) not in PIECEWISE
         or not host.flags.c_contiguous
         or H2D_PIECES < 2
@@ -712,7 +715,13 @@ def _put(host: np.ndarray, weak_type: bool) -> Any:
     for start in range(0, bits.size, per):
         piece = bits[start : start + per]
         pieces.append(piece.reshape(-1, LANES) if LANES and piece.size % LANES == 0 else piece)
-    out = _joiner(host.shape, host.dtype)(*jax.device_put(pieces))
+    try:
+        out = _joiner(host.shape, host.dtype)(*jax.device_put(pieces))
+    except Exception as e:  # noqa: BLE001 - out of device memory: whole; anything else raises
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        del e
+        return _compat.put_on_default_device(host, weak_type)
     return _set_weak_type(out, weak_type)
 
 

@@ -339,3 +339,33 @@ def test_types_the_chip_may_change_go_to_it_whole(monkeypatch, dtype):
 def test_on_the_cpu_a_large_array_is_put_whole():
     """On the CPU ``device_put`` aliases an aligned buffer: nothing goes in pieces there."""
     assert _codec._piece_count(np.zeros(4 << 20, np.float32)) == 0
+
+
+def test_pieces_that_do_not_fit_on_the_device_go_whole(monkeypatch):
+    """Out of device memory for the pieces or their join, the array goes whole (Note [host to
+    device in pieces]); any other error is raised; an array over H2D_MAX never goes in pieces."""
+
+    def exhausted(shape, dtype):
+        def join(*pieces):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 42 bytes.")
+
+        return join
+
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "_default_platform", lambda: "tpu")
+    monkeypatch.setattr(_codec, "_joiner", exhausted)
+    a = np.arange(3000, dtype=np.float32)
+    y = jt.loads(*jt.dumps(jnp.asarray(a)))
+    assert isinstance(y, jax.Array) and np.asarray(y).tobytes() == a.tobytes()
+
+    def broken(shape, dtype):
+        def join(*pieces):
+            raise RuntimeError("INTERNAL: something else")
+
+        return join
+
+    monkeypatch.setattr(_codec, "_joiner", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        jt.loads(*jt.dumps(jnp.asarray(a)))
+    monkeypatch.setattr(_codec, "H2D_MAX", a.nbytes - 1)
+    assert _codec._piece_count(a) == 0
