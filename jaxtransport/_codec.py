@@ -708,6 +708,11 @@ def _put(host: np.ndarray, weak_type: bool) -> Any:
     count = _piece_count(host)
     if not count:
         return _compat.put_on_default_device(host, weak_type)
+    return _put_in_pieces(host, weak_type, count)
+
+
+def _put_in_pieces(host: np.ndarray, weak_type: bool, count: int) -> Any:
+    """:func:`_put` of ``host`` in ``count`` pieces (Note [host to device in pieces])."""
     bits = host.reshape(-1).view(PIECEWISE[str(host.dtype)])
     per = -(-bits.size // count)
     per = -(-per // LANES) * LANES if LANES else per
@@ -720,7 +725,6 @@ def _put(host: np.ndarray, weak_type: bool) -> Any:
     except Exception as e:  # noqa: BLE001 - out of device memory: whole; anything else raises
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        del e
         return _compat.put_on_default_device(host, weak_type)
     return _set_weak_type(out, weak_type)
 
@@ -933,9 +937,10 @@ def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") 
                 host.flags.writeable = False  # shared by every call's array
             if placement == "host":
                 return host.view
+            count = _piece_count(host)
             put_once: Callable[[], Any] = (
-                functools.partial(_put, host, meta.weak_type)
-                if _piece_count(host)
+                functools.partial(_put_in_pieces, host, meta.weak_type, count)
+                if count
                 else _compat.putter_on_default_device(host, meta.weak_type)
             )
             put = _device_errors_explained(put_once)
