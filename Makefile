@@ -40,7 +40,8 @@ FLOOR_VENV := .venv-floor
 # (The rollouts demo, Docker files, benchmarks and the multi-node Ray cluster run on the main venv.)
 RANGE_TESTS ?= tests/test_codec.py tests/test_sharding.py tests/test_shm.py tests/test_pool.py \
 	tests/test_pool_lifecycle.py tests/test_pool_memory.py tests/test_ray.py tests/test_usercode.py \
-	tests/test_cpython_compat.py tests/test_multiprocessing.py tests/test_forwarding.py
+	tests/test_cpython_compat.py tests/test_multiprocessing.py tests/test_forwarding.py \
+	tests/test_async_exceptions.py
 
 # `make test-platforms`: the Pool, Executor and jaxtransport.multiprocessing suites (not slow), and
 # the Pool's never-hangs, crash, lifecycle and take-back suites, with

@@ -29,6 +29,19 @@ import traceback
 
 from ._errors import LockOrderError
 
+# Note [loops that end in a test]
+# CPython checks for signals on a loop's back edge. From 3.12 its compiler can leave that jump
+# (and the test before it) out of the frame's exception table even inside a ``with`` or ``try``:
+# a loop whose body ends in an ``if``, a ``while <test>:`` loop, a filtered list comprehension
+# (python/cpython#108214, #130279). A KeyboardInterrupt raised there leaves the frame without
+# running the ``with`` exit or the ``finally``: ``with lock:`` leaves the lock held for ever.
+# On 3.13.0 a Ctrl-C did that to a Pool's engine lock (``Engine._enqueue``), hanging the
+# pool's next result. So inside a ``with`` or ``try`` the package writes such loops in shapes
+# the compiler covers: ``if not <test>: continue`` before an unconditional end,
+# ``while True: if <done>: break``, ``list(<generator>)`` (a frame of its own), or a call.
+# tests/test_async_exceptions.py compiles every module with the running interpreter and fails on
+# any loop that could skip a ``with`` exit, a ``finally`` or an ``except BaseException``.
+
 # The one order, outermost first: a thread holding a lock may take only locks further down.
 # Names of the same rank are never held together. Keep in step with Note [pool engine].
 ORDER: tuple[tuple[str, ...], ...] = (

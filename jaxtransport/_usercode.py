@@ -272,7 +272,9 @@ def _make_function(key: str, token: Any, code: types.CodeType, name: Any, argdef
             return fn
         fn = types.FunctionType(code, _namespace(key), name, argdefs, closure)
         _functions[(key, token)] = fn
-        while len(_functions) > _FUNCTION_CACHE_SIZE:
+        while True:  # not `while len(...) > ...:` (Note [loops that end in a test])
+            if len(_functions) <= _FUNCTION_CACHE_SIZE:
+                break
             _functions.popitem(last=False)
         return fn
 

@@ -90,8 +90,9 @@ def _meminfo_available() -> int | None:
         with open("/proc/meminfo") as f:
             for line in f:
                 name, _, rest = line.partition(":")
-                if name == "MemAvailable":
-                    return int(rest.split()[0]) * 1024
+                if name != "MemAvailable":
+                    continue  # a loop ending in an `if` (Note [loops that end in a test])
+                return int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None

@@ -450,11 +450,14 @@ class Arena:
         n = 0
         with self.cond:
             for key, slot in list(self._slots.items()):  # a forwarded slot leaves it when freed
+                # No loop here ends in a test (Note [loops that end in a test]).
                 c = slot.refs.pop(borrower, 0)
-                if c:
-                    n += c
-                    if not slot.refs:
-                        self._free_slot(Handle(key[0], key[1], 0, slot.gen), slot)
+                if not c:
+                    continue
+                n += c
+                if slot.refs:
+                    continue
+                self._free_slot(Handle(key[0], key[1], 0, slot.gen), slot)
         return n
 
     def acquire(self, handle: Handle, borrower: Hashable) -> bool:
@@ -483,8 +486,9 @@ class Arena:
         with self.cond:
             for h in handles:
                 slot = self._slot(h)
-                if slot is not None:
-                    slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
+                if slot is None:
+                    continue
+                slot.refs[borrower] = slot.refs.get(borrower, 0) + 1
 
     # -- forwarded slots (Note [forwarded slots])
     def adopt(

@@ -235,7 +235,9 @@ class Queue:
             with notempty:
                 busy[0] = False
                 del out
-                while not buffer:
+                while True:  # not `while not buffer:` (Note [loops that end in a test])
+                    if buffer:
+                        break
                     notempty.wait()
                 out = buffer.popleft()
                 busy[0] = True

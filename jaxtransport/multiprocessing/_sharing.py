@@ -153,9 +153,10 @@ def _take_lease(mm, fd: int | None, hoff: int, forwarding: bool) -> tuple[int, i
         for j in range(LEASES):
             off = hoff + j * _LEASE.size
             serial, released, _pid, _tok = _LEASE.unpack_from(mm, off)
-            if serial == released:
-                _LEASE.pack_into(mm, off, released + 1, released, 0, 0)
-                return j, released + 1
+            if serial != released:
+                continue  # Note [loops that end in a test]
+            _LEASE.pack_into(mm, off, released + 1, released, 0, 0)
+            return j, released + 1
         return None
 
 
@@ -286,7 +287,9 @@ class Producer:
             sent = self.outstanding.get(data)
             if sent is None or id(x) in self.pins:
                 return
-            while self.pins and self.pinned_bytes + nbytes > budget:
+            while True:  # not `while <test>:` (Note [loops that end in a test])
+                if not (self.pins and self.pinned_bytes + nbytes > budget):
+                    break
                 self._unpin(next(iter(self.pins)))
             sent.pin, sent.entry = id(x), entry
             self.pins[id(x)] = (ref, data, nbytes)
@@ -351,7 +354,8 @@ class Producer:
         with self.lock:
             self._forget_dead_pins()
             if only is not None:
-                todo = [(d, self.outstanding.pop(d)) for d in only if d in self.outstanding]
+                # A generator, not a filtered list comprehension (Note [loops that end in a test]).
+                todo = list((d, self.outstanding.pop(d)) for d in only if d in self.outstanding)  # noqa: C400
             else:
                 n = len(self.outstanding) if limit is None else min(limit, len(self.outstanding))
                 todo = [self.outstanding.popitem(last=False) for _ in range(n)]
@@ -581,10 +585,11 @@ def _unbundle(fd: int, count: int) -> list[int]:
                 break
             n = len(got)
             for level, typ, data in anc:
-                if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
-                    got.extend(a)
+                if level != socket.SOL_SOCKET or typ != socket.SCM_RIGHTS:
+                    continue  # Note [loops that end in a test]
+                a = array.array("i")
+                a.frombytes(data[: len(data) - (len(data) % a.itemsize)])
+                got.extend(a)
             if len(got) == n:
                 break
     finally:
@@ -640,9 +645,10 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             else:
                 where.append((got[0], got[2]))
                 oi = got[0]
-            if (oi, h[0]) not in seen:
-                seen.add((oi, h[0]))
-                segs.append((oi, h[0]))
+            if (oi, h[0]) in seen:
+                continue  # Note [loops that end in a test]
+            seen.add((oi, h[0]))
+            segs.append((oi, h[0]))
         data, blob = enc.data, None
         if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries) and not _os.in_band():
             try:
@@ -814,9 +820,10 @@ class _Consumer:
             return
         with _headers:
             for _m, seg in kept[: len(kept) - budget]:
-                if seg.mm is not None:
-                    fd, seg.fd = seg.fd, None
-                    _close_all([fd])
+                if seg.mm is None:
+                    continue  # Note [loops that end in a test]
+                fd, seg.fd = seg.fd, None
+                _close_all([fd])
 
     def trim_foreign(self) -> None:
         """Unmap idle segments of owners whose slots only reached this process forwarded (no
@@ -1005,7 +1012,8 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
                 except BaseException:
                     _close_all(fds[i + 1 :])
                     raise
-        handles = [e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax")]
+        # A generator, not a filtered list comprehension (Note [loops that end in a test]).
+        handles = list(e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax"))  # noqa: C400
         claimed: list[tuple] = []  # (mapper, token, handle) per slot, in order
         try:
             for h, (oi, j) in zip(handles + ([blob] if blob is not None else []), where):
@@ -1035,8 +1043,9 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
             obj = _wire.decode(data, entries, _Claimed(claimed), placement)  # type: ignore[arg-type]
         except BaseException as e:
             for i in getattr(e, "unheld", ()):
-                if i < len(claimed):
-                    _write_release(claimed[i][0], claimed[i][1])
+                if i >= len(claimed):
+                    continue  # Note [loops that end in a test]
+                _write_release(claimed[i][0], claimed[i][1])
             raise
         _forget_dropped(c, owners[0], live)
         c.senders.add(owners[0])

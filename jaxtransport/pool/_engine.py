@@ -261,7 +261,9 @@ class Engine:
         PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
         with self.space:
-            while not self.flags.stopped:
+            while True:  # not `while not stopped:` (Note [loops that end in a test])
+                if self.flags.stopped:
+                    break
                 limit = self.imap_window(light_results(), light_args)
                 want = max(1, limit // 2)
                 busy = self.in_flight()
@@ -389,14 +391,18 @@ class Engine:
         stopped meanwhile."""
         wake = False
         with self.lock:
+            # No loop here ends in a test: a Ctrl-C there would leave this lock held for ever
+            # (Note [loops that end in a test]).
             if self.flags.stopped:
                 for chunk in chunks:
-                    if chunk.handles:
-                        self.arena.release_all(chunk.key)
+                    if not chunk.handles:
+                        continue
+                    self.arena.release_all(chunk.key)
                 raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
             for chunk in chunks:
-                if chunk.trees:
-                    self.trees.use(chunk.trees)
+                if not chunk.trees:
+                    continue
+                self.trees.use(chunk.trees)
             self.scheduler.add_many(chunks)
             if run is not None:
                 self.scheduler.add_run(run)

@@ -209,14 +209,18 @@ class Executor(concurrent.futures.Executor):
             # item, so a large result's shared memory goes back once the caller drops it.
             try:
                 futures.reverse()
-                while futures:
+                while True:  # not `while futures:` (Note [loops that end in a test])
+                    if not futures:
+                        break
                     left = None if end is None else end - time.monotonic()
                     if chunksize == 1:
                         yield _pop_result(futures, left)
                     else:
                         chunk = _pop_result(futures, left)
                         chunk.reverse()
-                        while chunk:
+                        while True:
+                            if not chunk:
+                                break
                             yield chunk.pop()
                         del chunk
             finally:
@@ -233,7 +237,9 @@ class Executor(concurrent.futures.Executor):
         with self._lock:
             self._shutdown = True
             if cancel_futures:
-                while self._pending:
+                while True:  # not `while self._pending:` (Note [loops that end in a test])
+                    if not self._pending:
+                        break
                     self._pending.popleft().future.cancel()
             self._wake.notify_all()
         if self._reusable:
@@ -403,7 +409,9 @@ class Executor(concurrent.futures.Executor):
 
     def _wait_idle(self) -> None:
         with self._lock:
-            while self._pending or self._in_flight:
+            while True:  # not `while <test>:` (Note [loops that end in a test])
+                if not (self._pending or self._in_flight):
+                    break
                 self._wake.wait()
 
     def __repr__(self) -> str:

@@ -498,6 +498,7 @@ def _feed_imap(state: Engine, it: IMapIterator, preps: Iterator[Any]) -> None:
                     batch, plain = plain, []
                     state.submit_run(batch, it, index)
                     index += len(batch)
+                del plain  # the round ends in a statement, not in a test (Note [loops that end in a test])
     except BaseException as e:  # noqa: BLE001 - surfaces where the iterator reaches it
         it.chunk_done(index, False, e)
         index += 1

@@ -167,7 +167,8 @@ class Manager:
                 with engine.lock:
                     if flags.terminated:
                         return
-                    workers = [w for w in engine.workers if not w.dead]
+                    # A generator, not a filtered list comprehension (Note [loops that end in a test]).
+                    workers = list(w for w in engine.workers if not w.dead)  # noqa: C400
                     if flags.closed and not workers and not engine.scheduler.pending:
                         return
                     if flags.broken is not None and not workers:
@@ -320,17 +321,23 @@ class Manager:
         forgotten = engine.arena.take_forgotten()
         with engine.lock:
             for w in workers:
-                if w.dead:
-                    continue
-                if forgotten:
-                    gone = [s for s in forgotten if s in w.sent_segs]
-                    if gone:
-                        w.sent_segs.difference_update(gone)
-                        w.post(_protocol.dumps(_protocol.Forget(gone)))
-                if w.mapper.pending:
-                    rel = w.mapper.take_releases()
-                    if rel:
-                        w.post(_protocol.dumps(_protocol.Release([tuple(h) for h in rel])))
+                self._flush_one(w, forgotten)  # a call: no loop here ends in a test (Note [loops that end in a test])
+
+    @staticmethod
+    def _flush_one(w: WorkerRec, forgotten) -> None:
+        """Engine lock held: tell ``w`` which of its segments were forgotten and which of
+        its slots were released."""
+        if w.dead:
+            return
+        if forgotten:
+            gone = [s for s in forgotten if s in w.sent_segs]
+            if gone:
+                w.sent_segs.difference_update(gone)
+                w.post(_protocol.dumps(_protocol.Forget(gone)))
+        if w.mapper.pending:
+            rel = w.mapper.take_releases()
+            if rel:
+                w.post(_protocol.dumps(_protocol.Release([tuple(h) for h in rel])))
 
     # -- handlers
     def on_result(self, w: WorkerRec, msg: _protocol.Result) -> None:

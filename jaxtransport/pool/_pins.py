@@ -81,7 +81,9 @@ class Pins:
         dropped = []
         with self.lock:
             self._forget_dead()
-            while self.pins and self.bytes + nbytes > budget:
+            while True:  # not `while <test>:` (Note [loops that end in a test])
+                if not (self.pins and self.bytes + nbytes > budget):
+                    break
                 dropped.append(self._unpin(next(iter(self.pins))))
             old = self.pins.get(id(x))
             if old is not None:

@@ -102,7 +102,8 @@ class WorkerRec:
             return []
         try:
             started = self.cell[1]
-            back = [c for c in self.outstanding if c.seq > started]
+            # A generator, not a filtered list comprehension (Note [loops that end in a test]).
+            back = list(c for c in self.outstanding if c.seq > started)  # noqa: C400
             if back:
                 self.cell[2] = self.held_back = self.sent
         finally:

@@ -324,7 +324,9 @@ class IMapIterator:
                 for index, ok, value in done:
                     ready[index] = (ok, collections.deque(value) if ok else value)
                 nxt = self._next_chunk
-                while nxt in ready:
+                while True:  # not `while nxt in ready:` (Note [loops that end in a test])
+                    if nxt not in ready:
+                        break
                     queue.append(ready.pop(nxt))
                     nxt += 1
                 self._next_chunk = nxt

@@ -70,7 +70,9 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.queue and not self.closed:
+                while True:  # not `while <test>:` (Note [loops that end in a test])
+                    if self.queue or self.closed:
+                        break
                     self.cond.wait()
                 if self.closed:
                     return
@@ -79,7 +81,9 @@ class Sender:
             try:
                 for seg_id, size, fd in fds:
                     _shm.send_segment(self.fdsock, seg_id, size, fd)
-                while left:  # EINTR is retried by Python itself (PEP 475)
+                while True:  # EINTR is retried by Python itself (PEP 475)
+                    if not left:
+                        break
                     left = _send_some(self.sock, left)
             except OSError:
                 with self.cond:

@@ -178,13 +178,14 @@ def train(
             slowest = max(results, key=lambda r: float(r.compute_s))
             compute = float(slowest.compute_s)
             compute_mean = sum(float(r.compute_s) for r in results) / len(results)
-            cpu_s = [float(r.cpu_s) for r in results if r.cpu_s is not None]
+            # Generators, not filtered list comprehensions (Note [loops that end in a test]).
+            cpu_s = list(float(r.cpu_s) for r in results if r.cpu_s is not None)  # noqa: C400
             actor_cpu = sum(cpu_s) if len(cpu_s) == len(results) else None
             act = None if slowest.act_s is None else float(slowest.act_s)
             # Streaming actors (--backend queue/threads) report how many parameter versions
             # behind the learner each trajectory's policy was, and overlap compute with the
             # learner.
-            lags = [r.lag for r in results if r.lag is not None]
+            lags = list(r.lag for r in results if r.lag is not None)  # noqa: C400
             lag = sum(lags) / len(lags) if lags else None
             moved = param_bytes * cfg.workers + sum(
                 policy.num_bytes(r.traj) + policy.num_bytes(r.carry) for r in results
