@@ -142,6 +142,9 @@ def test_the_check_finds_the_hole_that_left_the_pools_lock_held():
 
 _RUN_INTERRUPTED = """
 import itertools, os, signal, sys, threading
+# A run started in the background by a non-interactive shell (`cmd &`) inherits SIGINT
+# ignored: Python then installs no handler, so install the default one here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 lock = threading.RLock()
 exec(sys.argv[1])
 t = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -161,7 +164,7 @@ def _held_after_ctrl_c(func_src: str) -> bool:
     import subprocess
 
     out = subprocess.run(
-        [sys.executable, "-c", _RUN_INTERRUPTED, func_src], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _RUN_INTERRUPTED, func_src], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip() == "HELD"
