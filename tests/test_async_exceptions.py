@@ -21,21 +21,25 @@ from __future__ import annotations
 
 import dis
 import os
+import pathlib
 import sys
 import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(ROOT, "jaxtransport")
+from .conftest import ROOT, run_python
+
+PKG = pathlib.Path(ROOT) / "jaxtransport"
 
 pytestmark = pytest.mark.skipif(
     sys.version_info < (3, 11), reason="before 3.11 a frame's blocks are a stack, not an exception table"
 )
 
-# Exceptions a KeyboardInterrupt is not an instance of: a handler matching only these never runs
-# for it, so a hole in front of it alone changes nothing.
-_NOT_INTERRUPTS = {"BaseException", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}
+# The names an `except` clause must match for it to matter here: those that take a
+# KeyboardInterrupt, and the other exits that are not Exceptions. A clause that matches none of
+# them (`except OSError:`) never runs for an interrupt, so a hole in front of it alone changes
+# nothing.
+_CATCH_INTERRUPTS = {"BaseException", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}
 
 
 def _entries(code: types.CodeType) -> list:
@@ -78,7 +82,7 @@ def _matters(instrs: list, target: int) -> bool:
     if "CHECK_EXC_MATCH" in names:  # an `except X:` clause: does X take a KeyboardInterrupt?
         stop = names.index("CHECK_EXC_MATCH")
         matched = {x.argval for x in head[:stop] if isinstance(x.argval, str)}
-        return bool(matched & _NOT_INTERRUPTS)
+        return bool(matched & _CATCH_INTERRUPTS)
     return True  # a finally, or a bare except
 
 
@@ -109,12 +113,8 @@ def holes(code: types.CodeType) -> list[str]:
     return found
 
 
-def _sources() -> list[str]:
-    out = []
-    for d, dirs, files in os.walk(PACKAGE):
-        dirs[:] = [x for x in dirs if x != "__pycache__"]
-        out += [os.path.join(d, f) for f in files if f.endswith(".py")]
-    return sorted(out)
+def _sources() -> list[pathlib.Path]:
+    return sorted(PKG.rglob("*.py"))
 
 
 def _in_with(body: str) -> str:
@@ -141,12 +141,12 @@ def test_the_check_finds_the_hole_that_left_the_pools_lock_held():
 
 
 _RUN_INTERRUPTED = """
-import itertools, os, signal, sys, threading
+import itertools, os, signal, threading
 # A run started in the background by a non-interactive shell (`cmd &`) inherits SIGINT
 # ignored: Python then installs no handler, so install the default one here.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 lock = threading.RLock()
-exec(sys.argv[1])
+exec(FUNC)
 t = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
 t.start()
 try:
@@ -161,11 +161,7 @@ print("HELD" if lock._is_owned() else "FREE")
 def _held_after_ctrl_c(func_src: str) -> bool:
     """Run ``func_src`` (a ``def f(self, xs)`` over the module global ``lock``) in a fresh
     interpreter, Ctrl-C it mid-loop: is the lock still held once the KeyboardInterrupt left?"""
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-c", _RUN_INTERRUPTED, func_src], capture_output=True, text=True, timeout=60
-    )
+    out = run_python(f"FUNC = {func_src!r}\n" + _RUN_INTERRUPTED, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip() == "HELD"
 
@@ -183,8 +179,7 @@ def test_the_check_agrees_with_a_real_ctrl_c():
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: os.path.relpath(p, ROOT))
 def test_no_interrupt_can_skip_a_cleanup(path):
-    with open(path, encoding="utf-8") as f:
-        code = compile(f.read(), path, "exec")
+    code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
     found = holes(code)
     assert not found, (
         "a KeyboardInterrupt at these loops' back edges would skip the `with` exit or `finally` "

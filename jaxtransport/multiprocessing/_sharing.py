@@ -1002,6 +1002,7 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
         raise _garbage(f"{len(fds)} fds came with a message naming {len(segs)} segments")
     from .. import _wire
 
+    handles = [e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax")]
     c = consumer()
     with c.lock:
         c.apply_releases()
@@ -1012,8 +1013,6 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
                 except BaseException:
                     _close_all(fds[i + 1 :])
                     raise
-        # A generator, not a filtered list comprehension (Note [loops that end in a test]).
-        handles = list(e[-1] for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax"))  # noqa: C400
         claimed: list[tuple] = []  # (mapper, token, handle) per slot, in order
         try:
             for h, (oi, j) in zip(handles + ([blob] if blob is not None else []), where):
