@@ -113,6 +113,9 @@ def test_async_functions_are_cached(tmp_path):
     out = [asyncio.run(f(jnp.arange(3.0))) for _ in range(2)]
     assert calls == [1] and isinstance(out[1]["y"], jax.Array)
     np.testing.assert_array_equal(out[1]["y"], np.arange(3.0) * 2)
+    # Its repr is joblib's, "AsyncMemorizedFunc(func=..., location=...)" (joblib's own
+    # test_memory.py checks the synchronous one: tests/test_joblib_peer.py).
+    assert repr(f) == repr(joblib.Memory(tmp_path, verbose=0).cache(f.func))
 
 
 # ------------------------------------------------------------------------------------------

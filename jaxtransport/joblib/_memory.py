@@ -19,20 +19,21 @@ The Memory's store is joblib's local ``FileSystemStoreBackend`` made an :class:`
 placement). Every function of the Memory and joblib's ``MemorizedResult``
 (``call_and_shelve``) use that store, so ``get()`` decodes too. The memorized function is joblib's own
 ``MemorizedFunc`` (or ``AsyncMemorizedFunc``) with ``_get_args_id`` replaced: joblib's
-constructor, cache layout and validation are untouched.
+constructor, cache layout and validation are untouched. It is made by ``joblib.Memory.cache``
+(which checks the arguments) and then given a subclass of the same name, so that its repr reads
+as joblib's (``MemorizedFunc(func=..., location=...)``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import joblib
+import joblib.memory
 import numpy as np
 from joblib._store_backends import FileSystemStoreBackend
 from joblib.func_inspect import filter_args
-from joblib.memory import AsyncMemorizedFunc, MemorizedFunc
 
 from .._nojax import check_placement, find_tracer, jax_loaded
 from ._hashing import ArrayHasher
@@ -113,11 +114,17 @@ def _args_id(self: Any, *args: Any, **kwargs: Any) -> str:
     return ArrayHasher(hash_name="md5", coerce_mmap=self.mmap_mode is not None).hash(filtered)  # searched above
 
 
-class _JaxMemorizedFunc(MemorizedFunc):
+# Named as joblib's classes: their repr is joblib's ("MemorizedFunc(func=..., location=...)"),
+# which formats the class's name; a private name would show in users' logs.
+class MemorizedFunc(joblib.memory.MemorizedFunc):
+    """joblib's ``MemorizedFunc`` with this Memory's keys (``_args_id``)."""
+
     _get_args_id = _args_id
 
 
-class _AsyncJaxMemorizedFunc(AsyncMemorizedFunc):
+class AsyncMemorizedFunc(joblib.memory.AsyncMemorizedFunc):
+    """joblib's ``AsyncMemorizedFunc`` with this Memory's keys (``_args_id``)."""
+
     _get_args_id = _args_id
 
 
@@ -187,14 +194,9 @@ class Memory(joblib.Memory):
     ) -> Any:
         """As ``joblib.Memory.cache``: the decorated function's keys and values are those of
         this class (above)."""
-        if func is None:
-            return functools.partial(
-                self.cache,
-                ignore=ignore,
-                verbose=verbose,
-                mmap_mode=mmap_mode,
-                cache_validation_callback=cache_validation_callback,
-            )
+        # joblib.Memory.cache checks the arguments (a cache_validation_callback that is not callable
+        # raises its ValueError here, with or without func) and, without func, returns a partial of
+        # self.cache: this method again, once the decorated function is known.
         memorized = super().cache(
             func,
             ignore=ignore,
@@ -202,10 +204,9 @@ class Memory(joblib.Memory):
             mmap_mode=mmap_mode,
             cache_validation_callback=cache_validation_callback,
         )
-        if isinstance(memorized, AsyncMemorizedFunc):
-            memorized.__class__ = _AsyncJaxMemorizedFunc
-        elif isinstance(memorized, MemorizedFunc):
-            memorized.__class__ = _JaxMemorizedFunc
-        else:  # no location: joblib caches nothing and hashes nothing
-            return memorized
+        if isinstance(memorized, joblib.memory.AsyncMemorizedFunc):
+            memorized.__class__ = AsyncMemorizedFunc
+        elif isinstance(memorized, joblib.memory.MemorizedFunc):
+            memorized.__class__ = MemorizedFunc
+        # else: a partial (no func yet), or no location: joblib caches and hashes nothing
         return memorized
