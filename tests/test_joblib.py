@@ -78,7 +78,10 @@ def test_arrays_both_ways_and_warm_workers():
         np.testing.assert_array_equal(np.asarray(o["x"]), np.asarray(xs[i]) * 2)
         np.testing.assert_array_equal(o["n"], nps[i] * 2)
     assert seen[0][0] == "ArrayImpl" and seen[0][1] == "<f4"  # a jax.Array in the worker, too
-    assert pids1 == pids2 and os.getpid() not in pids1  # the same warm workers
+    # The same warm workers: both calls ran on the one pool of 2 (a new pool would bring new
+    # pids). Which of the 2 took the 8 tiny tasks is the scheduler's business: under load one
+    # worker can take them all in one call and not in the other.
+    assert len(pids1 | pids2) <= 2 and os.getpid() not in pids1 | pids2
     with joblib.parallel_config(backend="jaxtransport", n_jobs=-1):  # negative: cpu_count() + 1 + n
         n_all = joblib.Parallel()._effective_n_jobs()
     assert n_all == max(joblib.cpu_count(), 1)
