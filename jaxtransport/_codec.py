@@ -784,7 +784,7 @@ def _pieces_for(nbytes: int, dtype: np.dtype, platform: str | None = None) -> in
     """How many pieces ``nbytes`` of ``dtype`` go to the device in (``platform``: the default
     device's by default); 0 when they go whole (Note [host to device in pieces])."""
     if (
-        not CHUNKED_MIN <= nbytes <= H2D_MAX
+        not max(CHUNKED_MIN, 1) <= nbytes <= H2D_MAX
         or str(dtype) not in PIECEWISE
         or H2D_PIECES < 2
         or (platform or _default_platform()) == "cpu"

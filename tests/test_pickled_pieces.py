@@ -247,3 +247,6 @@ def test_pieces_in_any_order_and_shards_across_are_placed_exactly(monkeypatch, a
     cols = (((0, 6), (2, 4)), ((0, 6), (0, 2)))
     data, bufs = craft(meta("int32", (6, 4), cols), *[full[:, a:b].copy() for _, (a, b) in cols])
     assert np.array_equal(jt.loads(data, bufs), full)
+    empty = (((0, 2), (0, 0)), ((2, 4), (0, 0)))  # zero-size pieces: nothing to put in pieces
+    data, bufs = craft(meta("int32", (4, 0), empty), np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+    assert jt.loads(data, bufs).shape == (4, 0)
