@@ -2,8 +2,9 @@
 
 ``encode(x)`` returns a small picklable :class:`ArrayMeta` and a list of C-contiguous host
 ``numpy.ndarray`` views, one per *unique* shard (a fully replicated array ships one buffer, a
-sharded one ships each distinct shard once). On CPU the views alias the device buffers: encoding
-copies nothing.
+sharded one ships each distinct shard once; a large array on an accelerator ships in pieces along
+its first long axis, described as shards are: Note [pickled in pieces]). On CPU the views alias
+the device buffers: encoding copies nothing.
 
 ``decode(meta, buffers, placement)`` re-materializes on the receiver:
 
@@ -182,18 +183,22 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
             "jax.experimental.multihost_utils.process_allgather."
         )
     sharding_meta = _encode_sharding(x.sharding)
-    fetch = np.asarray if host else _host_or_device
+    indices: tuple = ()
     if x.is_fully_replicated:
-        buffers = [fetch(x if len(x.sharding.device_set) == 1 else x.addressable_shards[0].data)]
-        indices: tuple = ()
+        one = x if len(x.sharding.device_set) == 1 else x.addressable_shards[0].data
+        pieces = _fetch_in_pieces(one) if host else None
+        if pieces is not None:
+            indices, buffers = pieces
+        else:
+            buffers = [np.asarray(one) if host else _host_or_device(one)]
     else:
         seen: dict[tuple, Any] = {}
         for shard in x.addressable_shards:
             idx = _norm_index(shard.index, x.shape)
             if idx not in seen:
-                seen[idx] = fetch(shard.data)
+                seen[idx] = shard.data
         indices = tuple(seen)
-        buffers = list(seen.values())
+        buffers = _fetch_at_once(list(seen.values())) if host else [_host_or_device(d) for d in seen.values()]
     buffers = [b if not isinstance(b, np.ndarray) or b.flags.c_contiguous else np.ascontiguousarray(b) for b in buffers]
     meta = ArrayMeta(
         FORMAT_VERSION,
@@ -230,10 +235,8 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # int8 pieces were then checked bit for bit on the chip through the integer view
 # (tests/test_on_device.py, random bits). Types outside PIECEWISE travel as one ``np.asarray``.
 #
-# ``jt.dumps`` (``encode`` with ``host=True``) still takes such an array whole by ``np.asarray``:
-# taken in pieces into a fresh host buffer of its own (tried at 776d1d5), 256 MiB of float32
-# took 311 ms on the chip against 107 ms (faulting in the new buffer; ``np.asarray``'s comes
-# from the runtime), and ``jt.loads`` of that buffer was slower too (1.27x ``device_put``).
+# ``jt.dumps`` (``encode`` with ``host=True``) has no destination to copy into: it takes such an
+# array in pieces of its own, each its own host buffer (Note [pickled in pieces]).
 #
 # Costs: one compile of the slicing function per shape, dtype and piece size (cached by jit),
 # and up to WINDOW pieces of device memory while it runs. An array whose host copy JAX already
@@ -400,6 +403,102 @@ def _copy_in_pieces(
         host = np.asarray(piece).reshape(-1).view(np.uint8)
         dst[start * row_bytes : stop * row_bytes] = host[(start - first) * row_bytes : (stop - first) * row_bytes]
         del piece, host
+
+
+# Note [pickled in pieces]
+# ``jt.dumps`` (``encode`` with ``host=True``: every pickle, Ray's serializer, joblib's store)
+# returns host buffers, and a large one-device array off the CPU (CHUNKED_MIN bytes to
+# PIECES_MAX, of a type in PIECEWISE) becomes several of them: rows along its first axis longer
+# than 1 (every axis before it has length 1, so each piece is a contiguous range of the array's
+# bytes), cut as in Note [device to host in chunks] (pieces of CHUNK_BYTES, or of a quarter of the
+# array when that is less, whole rows of LANES elements where they can be; a last, shorter
+# piece: pieces never overlap here), all cut by one jitted function, all started with
+# ``copy_to_host_async`` at once, then each taken by ``np.asarray``: one host buffer per piece,
+# allocated by the runtime, and no joining copy anywhere on the sending side. On a TPU v5e
+# (JAX 0.10.2, 256 MiB of float32) ``np.asarray`` of the whole array took 101 ms and 32 slices
+# fetched at once 43 ms (8 slices: 95 ms; 64: 76 ms); into one host buffer of the sender's own,
+# as tried at 776d1d5, the joining copy cost more than the pieces saved (311 ms against 107).
+#
+# The pieces travel as the array's shards do, in the same format (format 1: ``indices`` names
+# each piece's rows, one buffer per piece, each its own out-of-band pickle-5 buffer), so any
+# reader of format 1, older releases included, reads them, and ``_validate`` checks them as it
+# checks shards (an exact tiling; each buffer exactly its rows' bytes) before anything is
+# allocated. The receiver (``_row_pieces``):
+# - onto an accelerator (placement "device", or "preserve" of a one-device sharding), within the
+#   sizes and types of Note [host to device in pieces]: the received buffers ARE the pieces put
+#   at once (cut further where one is larger than a piece should be; no host copy) and joined
+#   on the device;
+# - on the CPU, or placement "host": joined into one host array, one copy (``_assemble``), where
+#   an array sent whole would be aliased (no copy). The pieces' buffers are separate
+#   allocations, so no view of them can be one array without that copy.
+# An array over PIECES_MAX goes whole (its pieces would double its footprint in device memory),
+# as does one the device has no memory to cut; sharded arrays go as their shards, whose
+# transfers all start at once (``_fetch_at_once``).
+PIECES_MAX = 1 << 30
+
+
+def _fetch_at_once(arrays: list[Any]) -> list[np.ndarray]:
+    """``np.asarray`` of each array, their device-to-host copies started together first."""
+    for a in arrays:
+        if not _on_host(a) and _compat.cached_host_copy(a) is None:
+            a.copy_to_host_async()
+    return [np.asarray(a) for a in arrays]
+
+
+def _split_axis(shape: tuple) -> int | None:
+    """The first axis longer than 1 (pieces along it are contiguous bytes), or None."""
+    return next((d for d, n in enumerate(shape) if n > 1), None)
+
+
+def _fetch_in_pieces(a: Any) -> tuple[tuple, list[np.ndarray]] | None:
+    """``(indices, host buffers)`` of a one-device array off the CPU fetched in pieces (Note
+    [pickled in pieces]), or None where it goes whole."""
+    as_bits = PIECEWISE.get(str(a.dtype))
+    if as_bits is None or _on_host(a) or _compat.cached_host_copy(a) is not None:
+        return None
+    nbytes = int(a.nbytes)
+    axis = _split_axis(tuple(a.shape))
+    if axis is None or not CHUNKED_MIN <= nbytes <= PIECES_MAX:
+        return None
+    shape = tuple(a.shape)
+    rows, row_elems = shape[axis], math.prod(shape[axis + 1 :])
+    per = _rows_per_piece(rows, nbytes, row_elems)
+    if not 1 <= per < rows:
+        return None
+    bounds = tuple((s, min(s + per, rows)) for s in range(0, rows, per))
+    try:
+        pieces = _splitter(axis, bounds, as_bits, LANES)(a)
+        for p in pieces:
+            p.copy_to_host_async()
+        buffers = [np.asarray(p) for p in pieces]
+    except Exception as e:  # noqa: BLE001 - out of device memory: whole; anything else raises
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+    del pieces
+    lead = ((0, 1),) * axis
+    rest = tuple((0, n) for n in shape[axis + 1 :])
+    return tuple((*lead, b, *rest) for b in bounds), buffers
+
+
+@functools.cache
+def _splitter(axis: int, bounds: tuple, as_bits: np.dtype, lanes: int) -> Callable[[Any], list]:
+    """One jitted function cutting an array into its pieces along ``axis`` (rows ``bounds``),
+    each as unsigned integers of its width, reshaped to rows of ``lanes`` where its size allows
+    (the same bytes in the same order)."""
+    from jax import lax
+
+    def split(a):
+        out = []
+        for start, stop in bounds:
+            piece = lax.slice_in_dim(a, start, stop, axis=axis)
+            if piece.dtype != as_bits:
+                piece = lax.bitcast_convert_type(piece, as_bits)
+            piece = piece.reshape(-1)
+            out.append(piece.reshape(-1, lanes) if lanes and piece.size % lanes == 0 else piece)
+        return out
+
+    return jax.jit(split)
 
 
 # --------------------------------------------------------------------------------------------
@@ -650,20 +749,27 @@ def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, aligned:
 # Note [host to device in pieces]
 # ``jax.device_put`` of one large host array is a single transfer; on a TPU v5e (JAX 0.10.2) 256
 # MiB of float32 took 43.6 ms, and the same bytes as 8 pieces put at once (one ``device_put`` of
-# the list: the transfers overlap) and joined on the chip by one jitted ``concatenate`` 25.8 ms.
+# the list: the transfers overlap) and joined on the chip by one jitted ``concatenate`` 25.8 ms
+# (issue 49, another run: whole 46 ms, 8 pieces 26 ms, 32 pieces 22 ms).
 # So an array decoded onto the default device (placement "device": ``jt.loads``, the Pool's
 # results, the queues) of CHUNKED_MIN bytes and up, of a PIECEWISE type, goes to an accelerator
 # that way: its bytes as unsigned integers of its width (the chip moves them and never computes
-# on them, as for the other direction: Note [device to host in chunks]), in H2D_PIECES pieces of
+# on them, as for the other direction: Note [device to host in chunks]), in pieces of about
+# H2D_PIECE bytes, at least H2D_PIECES and at most H2D_MAX_PIECES of them (32 at 256 MiB), of
 # whole rows of LANES elements where the size allows, joined, viewed back as its type
-# (``bitcast_convert_type``) and reshaped on the chip. The result is what ``jax.device_put``
-# gives: on the default device, uncommitted, weak-typed where the sender's was. Costs: one
-# compile per shape and type (cached by jit) and, while it runs, the pieces beside the result
-# in device memory (twice the array). On the CPU nothing changes: ``device_put`` there aliases
-# an aligned buffer and copies nothing. Arrays over H2D_MAX bytes go whole (the pieces' second
-# copy in device memory stays bounded; the gain was measured at 256 MiB), and where the device
-# runs out of memory for the pieces or their join, the array goes whole instead.
+# (``bitcast_convert_type``) and reshaped on the chip. An array that arrived in pieces (Note
+# [pickled in pieces], or the shards of an array split along its first long axis) is put from
+# the buffers it arrived in, each cut further where it is larger than a piece: no host copy. The
+# result is what ``jax.device_put`` gives: on the default device, uncommitted, weak-typed where
+# the sender's was. Costs: one compile per shape, type and cut (cached by jit) and, while it
+# runs, the pieces beside the result in device memory (twice the array). On the CPU nothing
+# changes: ``device_put`` there aliases an aligned buffer and copies nothing. Arrays over
+# H2D_MAX bytes go whole (the pieces' second copy in device memory stays bounded; the gain was
+# measured at 256 MiB), and where the device runs out of memory for the pieces or their join,
+# the array goes whole instead.
 H2D_PIECES = 8
+H2D_MAX_PIECES = 32
+H2D_PIECE = 8 << 20
 H2D_MAX = 1 << 30
 
 
@@ -674,18 +780,42 @@ def _default_platform() -> str:
     return str(getattr(device, "platform", device))
 
 
+def _pieces_for(nbytes: int, dtype: np.dtype, platform: str | None = None) -> int:
+    """How many pieces ``nbytes`` of ``dtype`` go to the device in (``platform``: the default
+    device's by default); 0 when they go whole (Note [host to device in pieces])."""
+    if (
+        not max(CHUNKED_MIN, 1) <= nbytes <= H2D_MAX
+        or str(dtype) not in PIECEWISE
+        or H2D_PIECES < 2
+        or (platform or _default_platform()) == "cpu"
+    ):
+        return 0
+    return min(max(H2D_PIECES, round(nbytes / H2D_PIECE)), max(H2D_MAX_PIECES, H2D_PIECES))
+
+
 def _piece_count(host: np.ndarray) -> int:
     """How many pieces ``host`` goes to the default device in (Note [host to device in
     pieces]); 0 when it goes whole."""
-    if (
-        not CHUNKED_MIN <= host.nbytes <= H2D_MAX
-        or str(host.dtype) not in PIECEWISE
-        or not host.flags.c_contiguous
-        or H2D_PIECES < 2
-        or _default_platform() == "cpu"
-    ):
+    if not host.flags.c_contiguous:
         return 0
-    return H2D_PIECES
+    return _pieces_for(host.nbytes, host.dtype)
+
+
+def _row_pieces(meta: ArrayMeta, buffers: Sequence[Any]) -> list[Any] | None:
+    """The buffers of a validated ``meta`` in the order of the array's bytes when its shards
+    are pieces along one axis (every axis before it of length 1, every other axis whole: Note
+    [pickled in pieces]); None otherwise."""
+    if len(meta.indices) < 2:
+        return None
+    axis = _split_axis(meta.shape)
+    if axis is None:
+        return None
+    for idx in meta.indices:
+        for d, (a, b) in enumerate(idx):
+            if d != axis and (a, b) != (0, meta.shape[d]):
+                return None
+    order = sorted(range(len(meta.indices)), key=lambda k: meta.indices[k][axis][0])
+    return [buffers[k] for k in order]
 
 
 @functools.cache
@@ -713,20 +843,58 @@ def _put(host: np.ndarray, weak_type: bool) -> Any:
 
 def _put_in_pieces(host: np.ndarray, weak_type: bool, count: int) -> Any:
     """:func:`_put` of ``host`` in ``count`` pieces (Note [host to device in pieces])."""
-    bits = host.reshape(-1).view(PIECEWISE[str(host.dtype)])
-    per = -(-bits.size // count)
+    return _put_parts([host], host.shape, host.dtype, weak_type, count, lambda: host)
+
+
+def _cut(parts: Sequence[Any], as_bits: np.dtype, count: int) -> list[np.ndarray]:
+    """``parts`` (host buffers holding an array's bytes in order) as pieces of at most about
+    1/``count`` of the whole, unsigned integers of ``as_bits``, each reshaped to rows of LANES
+    where its size allows: views, no copy."""
+    bits = [(p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8)).reshape(-1).view(as_bits) for p in parts]
+    per = -(-sum(b.size for b in bits) // count)
     per = -(-per // LANES) * LANES if LANES else per
     pieces = []
-    for start in range(0, bits.size, per):
-        piece = bits[start : start + per]
-        pieces.append(piece.reshape(-1, LANES) if LANES and piece.size % LANES == 0 else piece)
+    for b in bits:
+        for start in range(0, b.size, max(per, 1)):
+            piece = b[start : start + per]
+            pieces.append(piece.reshape(-1, LANES) if LANES and piece.size % LANES == 0 else piece)
+    return pieces
+
+
+def _put_parts(
+    parts: Sequence[Any],
+    shape: tuple,
+    dtype: np.dtype,
+    weak_type: bool,
+    count: int,
+    whole: Callable[[], np.ndarray],
+    device: Any = None,
+) -> Any:
+    """The array whose bytes ``parts`` hold in order, put on the device in pieces at once and
+    joined there (Note [host to device in pieces]); on ``device`` (committed) when given, else
+    on the default device as ``jax.device_put`` leaves it. Out of device memory: ``whole()``
+    put whole."""
+    pieces = _cut(parts, PIECEWISE[str(dtype)], count)
     try:
-        out = _joiner(host.shape, host.dtype)(*jax.device_put(pieces))
+        out = _joiner(tuple(shape), np.dtype(dtype))(*jax.device_put(pieces, device))
     except Exception as e:  # noqa: BLE001 - out of device memory: whole; anything else raises
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return _compat.put_on_default_device(host, weak_type)
+        if device is not None:
+            return _set_weak_type(jax.device_put(whole(), device), weak_type)
+        return _compat.put_on_default_device(whole(), weak_type)
     return _set_weak_type(out, weak_type)
+
+
+def _put_received(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype) -> Any:
+    """``decode``'s placement "device" of a validated ``meta``: from the pieces it arrived in
+    where they are pieces of the array's bytes bound for an accelerator, else assembled and
+    :func:`_put`."""
+    parts = _row_pieces(meta, buffers)
+    count = _pieces_for(nbytes(meta), dtype) if parts is not None else 0
+    if parts is not None and count:
+        return _put_parts(parts, meta.shape, dtype, meta.weak_type, count, lambda: _assemble(meta, buffers, dtype))
+    return _put(_assemble(meta, buffers, dtype), meta.weak_type)
 
 
 def _devices_by_id(platform: str) -> dict[int, Any]:
@@ -798,6 +966,16 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
         index_map = sharding.addressable_devices_indices_map(meta.shape)
     except Exception as e:
         raise _corrupt(f"the sender's sharding {sharding} does not fit its shape {meta.shape}: {e}") from None
+    from jax.sharding import SingleDeviceSharding
+
+    if isinstance(sharding, SingleDeviceSharding) and getattr(sharding, "memory_kind", None) in (None, "device"):
+        # one device: an array that arrived in pieces goes to it in pieces (Note [pickled in pieces])
+        (device,) = sharding.device_set
+        parts = _row_pieces(meta, buffers)
+        count = _pieces_for(nbytes(meta), dtype, device.platform) if parts is not None else 0  # type: ignore[attr-defined]
+        if parts is not None and count:
+            assemble = functools.partial(_assemble, meta, buffers, dtype)
+            return _put_parts(parts, meta.shape, dtype, False, count, assemble, device)
     by_index: dict[tuple, np.ndarray] = {}
     if not meta.indices:
         whole = _typed(buffers[0], dtype, meta.shape)
@@ -805,8 +983,6 @@ def _decode_preserved(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, 
         whole = None
         for idx, buf in zip(meta.indices, buffers):
             by_index[idx] = _typed(buf, dtype, tuple(b - a for a, b in idx))
-    from jax.sharding import SingleDeviceSharding
-
     memory_kind = getattr(sharding, "memory_kind", None)
     arrays = []
     for device, index in index_map.items():
@@ -888,9 +1064,10 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     """Rebuild the array ``encode`` described. See the module docstring for placements.
 
     Costs: "device" and "host" with one buffer copy nothing on CPU when the buffer is 64-byte
-    aligned (else ``device_put`` copies once); sharded arrays received as "device"/"host" are
-    assembled with one copy; "preserve" places each shard on its device (no copy on CPU when
-    aligned).
+    aligned (else ``device_put`` copies once); sharded arrays (and arrays sent in pieces: Note
+    [pickled in pieces]) received as "device"/"host" are assembled with one copy, except pieces
+    bound for an accelerator, which are put as they are; "preserve" places each shard on its
+    device (no copy on CPU when aligned).
     """
     _check_format(meta)
     meta = ArrayMeta(*meta)
@@ -911,7 +1088,7 @@ def decode(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") -
     elif placement != "device":
         check_placement(placement)
     # jax.device_put's result, weak-typed where the sender's was (see _compat).
-    out = _put(_assemble(meta, buffers, dtype), meta.weak_type)
+    out = _put_received(meta, buffers, dtype)
     if meta.prng_impl is not None:
         out = _wrap_key(out, meta.prng_impl)
     return out
@@ -923,8 +1100,9 @@ def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") 
     a new array each time (a new ``jax.Array``, or a new numpy view for "host"; read-only when
     it is a sharded array's one assembled copy), over the same buffers on CPU. For decoding one
     received array many times: an array placed on the default device or on the host is
-    validated (and a sharded one assembled, read-only) once, and each call costs one
-    ``device_put`` (no copy on CPU) or one view; anything else ("preserve", PRNG keys) decodes in
+    validated (and a sharded one assembled, read-only, unless its pieces go to an accelerator as
+    they are: Note [pickled in pieces]) once, and each call costs one ``device_put`` (no copy on
+    CPU) or one view; anything else ("preserve", PRNG keys) decodes in
     full at each call. Raises what ``decode`` raises for bad metadata: here for the arrays
     validated once, else at the call."""
     if _readable(meta):
@@ -932,17 +1110,24 @@ def decoder(meta: ArrayMeta, buffers: Sequence[Any], placement: str = "device") 
         if placement in ("device", "host") and meta.prng_impl is None:
             dtype = _validate(meta, buffers)
             _check_x64(dtype, placement)
-            host = _assemble(meta, buffers, dtype, aligned=True)
-            if meta.indices:
-                host.flags.writeable = False  # shared by every call's array
-            if placement == "host":
-                return host.view
-            count = _piece_count(host)
-            put_once: Callable[[], Any] = (
-                functools.partial(_put_in_pieces, host, meta.weak_type, count)
-                if count
-                else _compat.putter_on_default_device(host, meta.weak_type)
-            )
+            parts = _row_pieces(meta, buffers) if placement == "device" else None
+            count = _pieces_for(nbytes(meta), dtype) if parts is not None else 0
+            put_once: Callable[[], Any]
+            if parts is not None and count:  # pieces bound for an accelerator: put as they are
+                whole = functools.cache(functools.partial(_assemble, meta, buffers, dtype))
+                put_once = functools.partial(_put_parts, parts, meta.shape, dtype, meta.weak_type, count, whole)
+            else:
+                host = _assemble(meta, buffers, dtype, aligned=True)
+                if meta.indices:
+                    host.flags.writeable = False  # shared by every call's array
+                if placement == "host":
+                    return host.view
+                count = _piece_count(host)
+                put_once = (
+                    functools.partial(_put_in_pieces, host, meta.weak_type, count)
+                    if count
+                    else _compat.putter_on_default_device(host, meta.weak_type)
+                )
             put = _device_errors_explained(put_once)
             if dtype.itemsize < 8:
                 return put

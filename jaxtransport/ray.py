@@ -38,7 +38,10 @@ Note [zero-copy through Ray]
     jax.Array (or anything that aliases it) lives. Freeing the ObjectRef, or
     ``ray.internal.free``, does not free memory a live array still uses. Small buffers
     (< 2 KiB, 8-byte aligned) and sharded arrays received as ``"device"`` are copied once by
-    ``device_put`` / assembly instead. The registration is per process and by exact type
+    ``device_put`` / assembly instead, as is a large array that a process sent from an
+    accelerator, which travels as one out-of-band buffer per piece (``_codec``'s Note [pickled
+    in pieces]) and is joined on a CPU receiver (one copy; a receiver on an accelerator puts the
+    pieces as they are and joins them there). The registration is per process and by exact type
     (ray-project/ray#22984), which is why results coming back from workers need
     :func:`runtime_env`'s setup hook.
 
@@ -129,7 +132,9 @@ _placement = _initial_placement()
 
 
 def _serialize(x: Any) -> tuple:
-    """(meta, raw buffers...) for Ray's pickler; copies nothing on CPU. Each raw buffer is
+    """(meta, raw buffers...) for Ray's pickler; copies nothing on CPU (a large array on an
+    accelerator comes over in pieces fetched at once, one buffer each: ``_codec``'s Note
+    [pickled in pieces]). Each raw buffer is
     ``_pickling.raw``'s wrapper, which pickles as a ``PickleBuffer`` under protocol 5 (Ray's):
     out-of-band, and independent of numpy's own pickling (whose paths differ across numpy
     1 and 2, which a heterogeneous cluster may mix)."""
@@ -385,7 +390,8 @@ def register(placement: str = "device") -> None:
 
     Guarantees: arrays this process sends are stored out-of-band in the object store (one copy,
     into shared memory; none on the sender's side on CPU); arrays it receives alias the
-    object-store buffer on CPU (no copy) and keep it pinned while they live. A Tracer in a
+    object-store buffer on CPU (no copy; one for an array sent from an accelerator in pieces)
+    and keep it pinned while they live. A Tracer in a
     ``ray.put`` value or a task/actor argument raises :class:`TracerTransportError` at the call
     site, naming its key path (Note [tracer errors through Ray]).
 

@@ -15,7 +15,11 @@ from benchmarks import figures
 from benchmarks import run as runner
 
 LIMITS = {device.D2H, device.H2D, (device.D2H[0], device.D2H_AGAIN), (device.H2D[0], device.H2D_AGAIN)}
-EVERY_ROW = LIMITS | {(q, t) for q, t, _ in device.QUESTIONS} | {(q, s) for q, _, s in device.QUESTIONS if s}
+LIMITS |= {(device.D2H[0], device.d2h_pieces(k)) for k in device.PIECE_COUNTS}
+LIMITS |= {(device.H2D[0], device.h2d_pieces(k)) for k in device.PIECE_COUNTS}
+MEASURED = (LIMITS | {(q, t) for q, t, _ in device.QUESTIONS} | {(q, s) for q, _, s in device.QUESTIONS if s}
+            | {(q, t) for q, t, _ in device.RAY_QUESTIONS})
+EVERY_ROW = MEASURED | {(name, device.FASTEST) for name in device.LIMIT.values()}  # finish() adds the limits
 
 
 def test_registered_with_the_runner():
@@ -53,26 +57,34 @@ def test_allow_cpu_measures_every_row(tmp_path):
     assert device.main(["--allow-cpu", "--size-mib", "4", "--runs", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "device.json").read_text())
     rows = data["rows"]
-    assert not [r for r in rows if r.get("error")], rows
+    assert not [r for r in rows if r.get("error")], [r for r in rows if r.get("error")]
     assert {(r["name"], r["transport"]) for r in rows} == EVERY_ROW
     for r in rows:
         assert r["size_bytes"] == 4 << 20 and r["runs"] == 2
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
-    ours = {q: t for q, t, _ in device.QUESTIONS}
+    ours = {q: t for q, t, _ in device.QUESTIONS} | {q: t for q, t, _ in device.RAY_QUESTIONS}
     for name, *_ in device.TARGETS:
         r = next(r for r in rows if (r["name"], r["transport"]) == (name, ours[name]))
-        assert r["vs_limit"] > 0 and r["limit"], r
+        assert r["vs_limit"] > 0 and r["limit"] and r["target"].startswith("<= 1.1x ") and "pass" in r, r
+        assert r["limit_method"].split(": ")[0] in ("D2H", "H2D", "production + H2D"), r
+    for kind, name in device.LIMIT.items():  # each limit: the fastest copy of its kind, named
+        limit = next(r for r in rows if r["name"] == name)
+        copies = [r for r in rows if r["name"] == kind]
+        assert limit["seconds"] == min(r["seconds"] for r in copies)
+        (best,) = [r for r in copies if r["fastest"]]
+        assert limit["method"] == f"{kind}: {best['transport']}" and best["seconds"] == limit["seconds"]
     env = data["environment"]
     assert env["device_kind"] and env["device_platform"] == "cpu" and "smoke run" in env["mode"]
     md = (tmp_path / "device.md").read_text()
     assert f"| line | JAX {env['jax']}, " in md and " cores, Python " in md
     assert md.count("\n- PASS ") + md.count("\n- MISS ") == len(device.TARGETS)
+    assert md.count("\n- LIMIT ") == 2
     assert "| Pool result | 4 MiB | jaxtransport.Pool (placement=device) |" in md
 
 
 def _synthetic_rows(failed: str | None = None, rollouts: bool = False) -> list[dict]:
     rows = []
-    for i, (name, transport) in enumerate(sorted(EVERY_ROW)):
+    for i, (name, transport) in enumerate(sorted(MEASURED)):
         if (name, transport) == failed:
             rows.append(device._row(name, 256 << 20, transport, error="RuntimeError: boom"))
         else:
