@@ -40,8 +40,9 @@ sent again would time nothing; each row is warmed up by one untimed send first):
 - ``Ray serialize`` / ``Ray deserialize``: ``jaxtransport.ray``'s serializer (with the
   protocol-5 pickling, buffers out-of-band, that Ray's pickler does; not the copy into the
   object store) and its deserializer onto the device (with the unpickling), called in this
-  process: Ray itself cannot start on the TPU host (no TCP sockets). Limits: D2H, H2D. A row
-  with an error where Ray is not installed.
+  process through ``jaxtransport._raywire``, which needs no Ray: Ray itself cannot start on
+  the TPU host (no TCP sockets), nor be carried there (its wheel is over 64 MiB). Limits: D2H,
+  H2D.
 
 ``vs_limit`` = seconds / the row's limit (lower is better, 1.0 = the device's fastest copy);
 ``speedup`` = the stock route's seconds / jaxtransport's (higher is better); ``target`` and
@@ -353,23 +354,22 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
     codec("codec round trip", jt_q["codec round trip"][1], jt_q["dumps"][1], jt_q["loads"][1],
           lambda x: pickle.dumps(x, protocol=5), pickle.loads)
 
-    # -- jaxtransport.ray's serializer and deserializer, in this process
-    try:
-        from jaxtransport import ray as jray
-    except Exception as exc:  # noqa: BLE001 -- Ray not installed here: the rows say so
-        for name, transport, _ in RAY_QUESTIONS:
-            rows.append(_row(name, size, transport, error=f"jaxtransport.ray cannot be imported: {_error_text(exc)}"))
-            _print(rows[-1])
-    else:
-        def ray_serialize(x):
-            oob: list = []
-            data = pickle.dumps(jray._serialize(x), protocol=5, buffer_callback=lambda pb: oob.append(pb) or False)
-            return data, oob
+    # -- jaxtransport.ray's serializer and deserializer, in this process: the functions its
+    # registered wrappers call (jaxtransport._raywire), which need no Ray (Ray cannot start on a
+    # TPU host without TCP, and its wheel is too large to carry to one), pickled as Ray pickles
+    # them: protocol 5, each buffer out of band
+    from jaxtransport import _raywire
 
-        (ser, ser_t, _), (de, de_t, _) = RAY_QUESTIONS
-        measure(ser, ser_t, ray_serialize)
-        measure(de, de_t, lambda m: jax.block_until_ready(jray._deserialize(pickle.loads(m[0], buffers=m[1]))),
-                prepare=lambda: ray_serialize(fresh()))
+    def ray_serialize(x):
+        oob: list = []
+        data = pickle.dumps(_raywire.serialize(x), protocol=5, buffer_callback=lambda pb: oob.append(pb) or False)
+        return data, oob
+
+    (ser, ser_t, _), (de, de_t, _) = RAY_QUESTIONS
+    measure(ser, ser_t, ray_serialize)
+    measure(de, de_t,
+            lambda m: jax.block_until_ready(_raywire.deserialize(pickle.loads(m[0], buffers=m[1]), "device")),
+            prepare=lambda: ray_serialize(fresh()))
 
     # -- pools: one jaxtransport.Pool (placement="device") and one multiprocessing.Pool, warm
     import multiprocessing
