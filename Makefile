@@ -23,6 +23,12 @@ DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
 LINT_STAMP := $(VENV)/.installed-lint
 DOCS_STAMP := $(VENV)/.installed-docs
+# The suites run in TEST_JOBS test processes at once (pytest-xdist; Note [parallel test
+# processes] in tests/conftest.py): most of a test's time is spent waiting on the processes it
+# starts, so on CI's 2 cores 3 test processes finish the suite in about half the time of one.
+# `make test TEST_JOBS=0` runs it in this one process (pytest's own order, -x and pdb work).
+TEST_JOBS ?= 3
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadgroup)
 # `make bench BENCH_ARGS="--quick"`; `--publish` rewrites benchmarks/results/ (default: the
 # git-ignored benchmarks/results/scratch/).
 BENCH_ARGS ?=
@@ -113,10 +119,10 @@ demo: $(DEMO_STAMP)
 # end to end, the docs' examples, the ecosystem libraries, the stress test); `make test-slow`:
 # those. CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -ra -m slow
+	$(PY) -m pytest -q -ra $(XDIST) -m slow
 
 # `make test-device`: the tests marked device (tests/test_on_device.py), this process on whatever
 # accelerator JAX finds (a TPU chip, a GPU); without one they skip, as in CI. On a machine whose
@@ -127,16 +133,16 @@ test-device: $(if $(filter $(PY),$(DEVICE_PY)),$(STAMP))
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(DEVICE_PY) -m pytest -q -ra -m device -p no:cacheprovider tests/test_on_device.py
 
 test-platforms: $(STAMP)
-	JAXTRANSPORT_SIMULATE=macos $(SIMULATE) $(PY) -m pytest -q -ra -m "not slow" -p no:cacheprovider $(PLATFORM_TESTS)
-	JAXTRANSPORT_SIMULATE=windows $(SIMULATE) $(PY) -m pytest -q -ra -m "not slow" -p no:cacheprovider \
+	JAXTRANSPORT_SIMULATE=macos $(SIMULATE) $(PY) -m pytest -q -ra $(XDIST) -m "not slow" -p no:cacheprovider $(PLATFORM_TESTS)
+	JAXTRANSPORT_SIMULATE=windows $(SIMULATE) $(PY) -m pytest -q -ra $(XDIST) -m "not slow" -p no:cacheprovider \
 		-k "not forkserver" -W ignore::RuntimeWarning $(PLATFORM_TESTS)
 	@if ls /dev/shm | grep -q '^jaxtransport-'; then echo "test-platforms left /dev/shm/jaxtransport-* behind"; exit 1; fi
 
 test-newest: $(NEWEST_VENV)/.installed
-	$(NEWEST_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
+	$(NEWEST_VENV)/bin/python -m pytest -q -ra $(XDIST) -p no:cacheprovider $(RANGE_TESTS)
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest -q -ra $(XDIST) -p no:cacheprovider $(RANGE_TESTS)
 
 # ruff (lint + format check) and mypy over jaxtransport/, configured in pyproject.toml.
 lint: $(LINT_STAMP)

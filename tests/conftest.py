@@ -171,10 +171,22 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 
 def pytest_collection_modifyitems(config, items):
     """Every test that needs Ray is slow too (a Ray cluster starts in seconds, its tasks and
-    actors in more): ``make test`` leaves them out, ``make test-slow`` and CI run them."""
+    actors in more): ``make test`` leaves them out, ``make test-slow`` and CI run them.
+
+    Note [parallel test processes]
+    The make targets run the suite in several test processes (pytest-xdist, ``-n TEST_JOBS
+    --dist loadgroup``): most of a test's time is spent waiting on the processes it starts, so
+    even on 2 cores more than one test runs at a time. Each test process is a separate pytest
+    process with its own leak check (its own children, the /dev/shm entries its processes could
+    make), so tests need not know about each other, with one exception: the tests marked
+    ``ray`` share one session-scoped Ray cluster and the two-node cluster test, so they are one
+    xdist group and run one after another in one test process, as they do without xdist (one
+    Ray cluster at a time on the machine)."""
     for item in items:
-        if item.get_closest_marker("ray") is not None and item.get_closest_marker("slow") is None:
-            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("ray") is not None:
+            if item.get_closest_marker("slow") is None:
+                item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):

@@ -20,6 +20,21 @@ def pytest_configure(config):
     joblib.register_parallel_backend("multiprocessing", JaxTransportBackend)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``JAXTRANSPORT_PEER_SHARD=i/n`` keeps every n-th test from the i-th (in collection
+    order): tests/test_joblib_peer.py runs the module as n such shards, one pytest run each, so
+    that the suite's test processes share them out (Note [parallel test processes])."""
+    import os
+
+    shard = os.environ.get("JAXTRANSPORT_PEER_SHARD")
+    if not shard:
+        return
+    i, n = (int(v) for v in shard.split("/"))
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = keep
+
+
 def pytest_unconfigure(config):
     from jaxtransport.joblib import shutdown
 

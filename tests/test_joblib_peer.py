@@ -63,13 +63,18 @@ def _failures(xml_path: str) -> tuple[set[str], int]:
     return failed, total
 
 
-def _run_joblib_tests(tmp_path, plugin: str, module: str, timeout: int) -> tuple[subprocess.CompletedProcess, str]:
+def _run_joblib_tests(
+    tmp_path, plugin: str, module: str, timeout: int, shard: str | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
     """pytest on the installed ``joblib.test.<module>`` with ``plugin`` (from tests/), in a fresh
     interpreter, under none of this repository's pytest settings; returns the run and its JUnit
-    XML's path."""
+    XML's path. ``shard`` ("i/n"): only that shard of the module's tests (the plugin selects)."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of this repository's settings
     xml = tmp_path / "out.xml"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAXTRANSPORT_PEER_SHARD", None)
+    if shard is not None:
+        env["JAXTRANSPORT_PEER_SHARD"] = shard
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", plugin, "--pyargs", f"joblib.test.{module}",
@@ -80,11 +85,19 @@ def _run_joblib_tests(tmp_path, plugin: str, module: str, timeout: int) -> tuple
     return proc, str(xml)
 
 
+# joblib's test_parallel.py (over 1,000 tests, about 140 s in one run here) goes as SHARDS
+# runs of every SHARDS-th test, which the suite's test processes share out.
+SHARDS = 4
+
+
 @pytest.mark.slow
-def test_joblib_test_parallel_on_the_jaxtransport_backend(tmp_path):
-    proc, xml = _run_joblib_tests(tmp_path, "joblib_peer_plugin", "test_parallel", timeout=1500)
+@pytest.mark.parametrize("shard", range(SHARDS), ids=lambda i: f"shard{i}of{SHARDS}")
+def test_joblib_test_parallel_on_the_jaxtransport_backend(tmp_path, shard):
+    proc, xml = _run_joblib_tests(
+        tmp_path, "joblib_peer_plugin", "test_parallel", timeout=1500, shard=f"{shard}/{SHARDS}"
+    )
     failed, total = _failures(xml)
-    assert total > 500, f"only {total} tests collected:\n{proc.stdout[-3000:]}"
+    assert total > 500 // SHARDS, f"only {total} tests collected:\n{proc.stdout[-3000:]}"
     unexpected = sorted(failed - set(DELIBERATE))
     assert not unexpected, f"joblib tests failing on the jaxtransport backend: {unexpected}\n{proc.stdout[-6000:]}"
 
