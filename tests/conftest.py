@@ -178,15 +178,21 @@ def pytest_collection_modifyitems(config, items):
     --dist loadgroup``): most of a test's time is spent waiting on the processes it starts, so
     even on 2 cores more than one test runs at a time. Each test process is a separate pytest
     process with its own leak check (its own children, the /dev/shm entries its processes could
-    make), so tests need not know about each other, with one exception: the tests marked
-    ``ray`` share one session-scoped Ray cluster and the two-node cluster test, so they are one
-    xdist group and run one after another in one test process, as they do without xdist (one
-    Ray cluster at a time on the machine)."""
+    make). Each test file is one xdist group, so its tests run one after another in one test
+    process, in the file's order, as without xdist: the tests of a file share module fixtures
+    (a warm pool) and process-wide settings (``set_shm_capacity``), and a test may meet what
+    the test before it left (seen: ``test_killed_consumer_gives_its_memory_back`` run straight
+    after ``test_memory_is_recycled_and_the_producer_does_not_grow``, without the test between
+    them, fails its first put: issue 49's note). The tests marked ``ray``, whatever their file,
+    are one group of their own: they share one session-scoped Ray cluster and the two-node
+    cluster test, one Ray cluster at a time on the machine, as without xdist."""
     for item in items:
         if item.get_closest_marker("ray") is not None:
             if item.get_closest_marker("slow") is None:
                 item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("ray"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
