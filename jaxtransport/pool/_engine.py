@@ -260,8 +260,9 @@ class Engine:
         many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
         PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
-        with self.space:
-            while True:  # not `while not stopped:` (Note [loops that end in a test])
+        space = self.space
+        while True:  # parks on ``space`` (Note [waits a Ctrl-C cannot break] in _lockorder)
+            with space:
                 if self.flags.stopped:
                     break
                 limit = self.imap_window(light_results(), light_args)
@@ -272,10 +273,12 @@ class Engine:
                     return room
                 self.imap_need = max(1, want - room)
                 self.imap_waiting += 1
-                try:
-                    self.space.wait(SPACE_POLL_S)
-                finally:
-                    self.imap_waiting -= 1
+                ticket = space.park()
+            woken = _lockorder.sleep(ticket, SPACE_POLL_S)
+            with space:
+                self.imap_waiting -= 1
+                if not woken:
+                    space.unpark(ticket)
         raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
 
     def imap_progress(self, chunks: int = 1) -> None:
@@ -290,7 +293,7 @@ class Engine:
                     # A feeder that waits again sets its need anew, under this lock.
                     if self.imap_need <= 0:
                         self.imap_need = IMAP_TOLD
-                        self.space.notify_all()
+                        self.space.wake_all()
 
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
