@@ -393,32 +393,39 @@ class Engine:
         dispatch them (Note [one task on a busy pool]); their slots are released if the pool
         stopped meanwhile."""
         wake = False
-        with self.lock:
-            # No loop here ends in a test: a Ctrl-C there would leave this lock held for ever
-            # (Note [loops that end in a test]).
-            if self.flags.stopped:
+        try:
+            with self.lock:
+                # No loop here ends in a test: a Ctrl-C there would leave this lock held for ever
+                # (Note [loops that end in a test]).
+                if self.flags.stopped:
+                    for chunk in chunks:
+                        if not chunk.handles:
+                            continue
+                        self.arena.release_all(chunk.key)
+                    raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
                 for chunk in chunks:
-                    if not chunk.handles:
+                    if not chunk.trees:
                         continue
-                    self.arena.release_all(chunk.key)
-                raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
-            for chunk in chunks:
-                if not chunk.trees:
-                    continue
-                self.trees.use(chunk.trees)
-            self.scheduler.add_many(chunks)
-            if run is not None:
-                self.scheduler.add_run(run)
-            if run is None and (
-                len(chunks) == 1
-                and chunks[0].small
-                and (self.dispatch_asked or any(w.outstanding for w in self.workers))
-            ):
-                wake, self.dispatch_asked = not self.dispatch_asked, True
-            else:
-                self.dispatch()
-        if wake:
-            self.wake()
+                    self.trees.use(chunk.trees)
+                self.scheduler.add_many(chunks)
+                if run is not None:
+                    self.scheduler.add_run(run)
+                if run is None and (
+                    len(chunks) == 1
+                    and chunks[0].small
+                    and (self.dispatch_asked or any(w.outstanding for w in self.workers))
+                ):
+                    wake, self.dispatch_asked = not self.dispatch_asked, True
+                else:
+                    try:
+                        self.dispatch()
+                    except BaseException:
+                        # Note [a Ctrl-C while dispatching]: what is still pending, the manager sends.
+                        wake, self.dispatch_asked = not self.dispatch_asked, True
+                        raise
+        finally:
+            if wake:
+                self.wake()
 
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to workers that may take them and post them."""
@@ -450,8 +457,29 @@ class Engine:
                 w.post(task, segs)
             else:
                 batches.setdefault(w, []).append(task)
+        # Note [a Ctrl-C while dispatching]
+        # A caller's thread dispatches (the main thread, in a Ctrl-C's way): a KeyboardInterrupt
+        # that lands in one worker's post (most often just after its write) must not keep the
+        # other workers' batches, already counted as theirs, from going out: they would never
+        # run, pool.join() would wait for them for ever, and a worker whose tasks never came is
+        # taken out of the rotation once they are taken back. So every batch is posted, one
+        # whose post was interrupted before it wrote or queued anything (``Sender.committed``
+        # still False: the interrupt came at the call's start) is posted again, then the
+        # interrupt is raised again; and ``_enqueue`` has the manager dispatch what an
+        # interrupted dispatch left pending. An interrupt between handing a chunk to a worker
+        # and staging its task can still lose it (a narrower window, CHANGELOG).
+        interrupted: BaseException | None = None
         for w, batch in batches.items():
-            w.post(batch)
+            sender = w.sender
+            sender.committed = False
+            try:
+                sender.post(batch)
+            except BaseException as e:  # noqa: BLE001 - raised again below
+                interrupted = interrupted or e
+                if not sender.committed:
+                    sender.post(batch)
+        if interrupted is not None:
+            raise interrupted
         if self.flags.closed:
             self.maybe_stop()
 

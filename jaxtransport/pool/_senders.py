@@ -40,6 +40,10 @@ class Sender:
         self.queue: collections.deque = collections.deque()
         self.writing = False
         self.closed = False
+        # Set just before post() writes or queues anything (Note [a Ctrl-C while dispatching]
+        # in _engine): cleared by a dispatching caller first, it says whether an interrupted
+        # post() did anything at all.
+        self.committed = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -55,6 +59,7 @@ class Sender:
                 return
             if not fds and not self.queue and not self.writing:
                 try:
+                    self.committed = True  # no call between this and the write
                     sent = self.send_nowait(out)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
@@ -66,6 +71,7 @@ class Sender:
                 out = advance(out, sent)
                 if not out:
                     return
+            self.committed = True  # no call between this and the append
             self.queue.append((out, fds))
             self.cond.wake_all()
 
