@@ -69,8 +69,8 @@ threading.Thread(target=bump, daemon=True).start()
 hits = 0
 for _ in range(2000):
     t = threading.Timer(random.uniform(0, 0.002), lambda: signal.pthread_kill(main, signal.SIGINT))
-    t.start()
     try:
+        t.start()  # (it may fire before start() returns)
         waits()
     except KeyboardInterrupt:
         hits += 1
