@@ -71,6 +71,9 @@ import time
 import traceback
 
 from . import _common
+from . import run as runner
+# The rows' names, which the page figures read too (benchmarks/_device_rows.py).
+from ._device_rows import D2H, D2H_AGAIN, H2D, H2D_AGAIN, QUESTIONS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -89,19 +92,6 @@ ROLLOUTS_TIMEOUT = 150.0
 MIN_ROLLOUTS_S = 60.0
 MARK = "@@device-json "  # the line of a probe's stdout that holds its result
 
-D2H, H2D = ("D2H", "np.asarray"), ("H2D", "jax.device_put")
-#: The same limits measured again at the end of the run.
-D2H_AGAIN, H2D_AGAIN = "np.asarray (again, last)", "jax.device_put (again, last)"
-#: (row name, jaxtransport transport, stock transport): the questions measured against a limit.
-QUESTIONS = (
-    ("dumps", "jt.dumps", "pickle.dumps (JAX's reducer)"),
-    ("loads", "jt.loads", "pickle.loads (JAX's reducer)"),
-    ("codec round trip", "jt.dumps + jt.loads", "pickle.dumps + loads (JAX's reducer)"),
-    ("Pool argument", "jaxtransport.Pool", "np.asarray + multiprocessing.Pool"),
-    ("Pool production", "jaxtransport.Pool (tiny result)", None),
-    ("Pool result", "jaxtransport.Pool (placement=device)", "multiprocessing.Pool + jax.device_put"),
-    ("Queue", "jaxtransport.multiprocessing.Queue", "np.asarray + multiprocessing.Queue"),
-)
 #: The limits in pieces (issue 49): the same bytes as K device slices fetched at once (each
 #: started by ``copy_to_host_async``, then each taken by ``np.asarray``; no joining copy), and as
 #: K host pieces put at once and joined on the device by one jitted concatenate.
@@ -853,8 +843,6 @@ def _probe_main(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import run as runner
-
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.device",
         description="jax.Arrays on an accelerator: jaxtransport's transfers against the device's "
@@ -882,8 +870,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.probe:
         return _probe_main(args)
-    from . import run as runner
-
     out = args.out or (runner.RESULTS if args.publish else runner.SCRATCH)
     print(f"# device benchmark: output {out}", flush=True)
     before = runner.conditions()

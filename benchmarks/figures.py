@@ -41,6 +41,8 @@ import statistics
 import sys
 from typing import Any, Callable
 
+from ._device_rows import D2H, D2H_AGAIN, H2D, H2D_AGAIN, QUESTIONS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
@@ -521,8 +523,6 @@ def _device() -> None:
     # benchmarks/device.py: a device array (256 MiB; 64 MiB with --quick) moved by jaxtransport
     # against the device's own copies (D2H, H2D) and the stock routes. One size per run: the
     # rows are found by question and transport only.
-    from .device import D2H, D2H_AGAIN, H2D, H2D_AGAIN, QUESTIONS
-
     FIGURES["device.size"] = F("device", "size_bytes", "mib", name=D2H[0], transport=D2H[1])
     FIGURES["device.d2h.s"] = F("device", "seconds", "s", name=D2H[0], transport=D2H[1])
     FIGURES["device.h2d.s"] = F("device", "seconds", "s", name=H2D[0], transport=H2D[1])

@@ -1,4 +1,5 @@
-"""The package's shape: no import circles, and the shared layers import nothing above them.
+"""The package's shape: no import circles (in the package, the benchmarks and the tests), and the
+shared layers import nothing above them.
 
 The import graph is read from the source: every ``import``, function-level ones and those under
 ``if TYPE_CHECKING:`` included. An import made for annotations only runs nowhere, but it still
@@ -6,7 +7,10 @@ says that the module knows the other one: a lower part that names the type of th
 it is in a circle with it, as structure tools and readers count it. A circle makes the import
 order matter and hides which module is the lower layer: ``_engine`` and ``_manager`` once
 imported each other (later, the manager named the ``Engine`` for its annotations only); the
-manager now takes a ``Books`` protocol of its own.
+manager now takes a ``Books`` protocol of its own. The benchmarks are held to the same rule:
+``benchmarks/device.py``, ``run.py`` and ``figures.py`` once imported each other (inside
+functions), the figures reading the device rows' names from the benchmark that the runner drives;
+the names now live in ``benchmarks/_device_rows.py``, below both.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import ast
 import pathlib
 
 import jaxtransport
+
+from .conftest import ROOT
 
 PKG = pathlib.Path(jaxtransport.__file__).parent
 
@@ -35,18 +41,26 @@ CHECKED = (
 LOWER = ("jaxtransport._os", "jaxtransport._shm", "jaxtransport._devices")
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+MODULES = {_module_name(p, PKG.parent): p for p in sorted(PKG.rglob("*.py"))}
+# Every module of the repository's Python packages, for the circle check: the package, the
+# benchmarks (``python -m benchmarks``) and the tests, each importable from the checkout's root.
+REPO_PACKAGES = ("benchmarks", "tests")
+REPO_MODULES = dict(MODULES)
+for _package in REPO_PACKAGES:
+    REPO_MODULES.update(
+        (_module_name(p, pathlib.Path(ROOT)), p) for p in sorted((pathlib.Path(ROOT) / _package).rglob("*.py"))
+    )
 
 
-def _package_of(name: str) -> str:
-    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+def _package_of(name: str, modules: dict[str, pathlib.Path] = MODULES) -> str:
+    return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
 def _imports(tree: ast.AST):
@@ -56,24 +70,25 @@ def _imports(tree: ast.AST):
             yield node
 
 
-def imports_of(name: str) -> set[str]:
-    """The jaxtransport modules ``name`` imports, at run time or for annotations only."""
+def imports_of(name: str, modules: dict[str, pathlib.Path] = MODULES) -> set[str]:
+    """The modules of ``modules`` (by default the package's) that ``name`` imports, at run time
+    or for annotations only."""
     out: set[str] = set()
-    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    tree = ast.parse(modules[name].read_text(), str(modules[name]))
     for node in _imports(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
             base = node.module or ""
             if node.level:
-                anchor = _package_of(name).split(".")
+                anchor = _package_of(name, modules).split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             targets = []
             for a in node.names:
                 sub = f"{base}.{a.name}"
-                targets.append(sub if sub in MODULES else base)
-        out.update(t for t in targets if t in MODULES and t != name)
+                targets.append(sub if sub in modules else base)
+        out.update(t for t in targets if t in modules and t != name)
     return out
 
 
@@ -113,6 +128,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
+REPO_GRAPH = {name: imports_of(name, REPO_MODULES) for name in REPO_MODULES}
 
 
 def test_the_graph_reader_sees_function_level_and_annotation_only_imports():
@@ -123,6 +139,11 @@ def test_the_graph_reader_sees_function_level_and_annotation_only_imports():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._engine import Engine\n"
     assert [n.module for n in _imports(ast.parse(source))] == ["typing", "_engine"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # The benchmarks and tests are read too: relative imports inside functions (the runner's
+    # page rendering imports the figures when asked), absolute ones from the tests.
+    assert "benchmarks.figures" in REPO_GRAPH["benchmarks.run"]
+    assert "benchmarks._common" in REPO_GRAPH["benchmarks.device"]
+    assert {"benchmarks.run", "tests.conftest"} <= REPO_GRAPH["tests.test_bench_runner"]
 
 
 def test_the_manager_does_not_know_the_engine():
@@ -134,6 +155,16 @@ def test_the_manager_does_not_know_the_engine():
 
 def test_no_import_circles():
     circles = [c for c in _cycles(GRAPH) if any(_package_of(m) in CHECKED for m in c)]
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_import_circles_in_the_benchmarks_or_the_tests():
+    """The rule of the package holds for the repository's other Python: a benchmark, the runner
+    and the page figures, or two test modules, may not import each other (inside functions
+    neither); what two of them share lives in a module below both (``benchmarks/_common.py``,
+    ``benchmarks/_device_rows.py``, ``tests/conftest.py``)."""
+    assert any(m.startswith("benchmarks.") for m in REPO_GRAPH)
+    circles = _cycles(REPO_GRAPH)
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 

@@ -67,6 +67,34 @@ def test_submit_map_and_futures_helpers(executor):
     assert asyncio.run(main()) == [0, 1, 4, 9, 16]
 
 
+def test_futures_are_stock_futures_whose_waits_park_on_a_c_lock():
+    """The futures (Note [waits a Ctrl-C cannot break] in jaxtransport/_lockorder.py) are
+    concurrent.futures.Futures with the stock one's attributes, which concurrent.futures.wait
+    and as_completed use, and their lock is a C RLock (no Python ``__enter__`` a Ctrl-C could
+    land in); the standard helpers wake on results that come later, and on a cancel."""
+    import threading
+
+    from jaxtransport import _lockorder
+
+    stock = cf.Future()
+    with jt.Executor(2) as ex:
+        slow = ex.submit(nap, 0.3)
+        assert isinstance(slow, cf.Future) and set(vars(slow)) == set(vars(stock))
+        assert type(slow._condition).__enter__ is type(threading.RLock()).__enter__
+        assert isinstance(slow._condition, _lockorder.Condition)
+        quick = ex.submit(square, 3)
+        done, _ = cf.wait([slow, quick], timeout=60, return_when=cf.FIRST_COMPLETED)
+        assert quick in done and quick.result() == 9
+        assert [f.result() for f in cf.as_completed([slow], timeout=60)] == [0.3]
+        with pytest.raises(cf.TimeoutError):
+            ex.submit(nap, 0.3).result(timeout=0.05)
+        assert isinstance(ex.submit(fail, "no").exception(timeout=60), ValueError)
+    pending = type(slow)()  # never run: a cancel wakes its waiters
+    threading.Timer(0.1, pending.cancel).start()
+    with pytest.raises(cf.CancelledError):
+        pending.result(timeout=60)
+
+
 def test_done_callbacks_run_on_the_callback_thread_never_the_manager(executor):
     # A future without done-callbacks is completed by the pool's manager thread directly (no
     # hop); one with a callback must still be completed where user code may run and block.

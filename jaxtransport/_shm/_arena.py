@@ -265,7 +265,7 @@ class Arena:
                     made[1].close()
                 else:
                     self.reserve_error = err
-                self.cond.notify_all()
+                self.cond.wake_all()
 
         t = threading.Thread(target=work, name="jaxtransport-shm-reserve", daemon=True)
         t.start()
@@ -311,55 +311,75 @@ class Arena:
         """
         cls = size_class(nbytes)
         seg_size = cls * max(1, SLAB // cls)
-        with self.cond:
-            while True:
-                if self.closed:
-                    raise ShmCapacityError(f"the shared memory of {self.label} was closed")
-                if self.reserve_error is not None:
-                    err, self.reserve_error = self.reserve_error, None
-                    raise err
-                if self._deferred:
-                    self._apply_deferred()
-                free = self._free.get(cls)
-                if free:
-                    key = free.pop()
+        cond = self.cond
+        # Every wait parks on ``cond`` and sleeps with it released (Note [waits a Ctrl-C cannot
+        # break] in jaxtransport._lockorder): a Ctrl-C in a caller's alloc leaves it free.
+        while True:
+            with cond:
+                key = self._find_slot(cls, nbytes, seg_size, wait is not None)
+                if type(key) is tuple:
+                    seg = self._segs[key[0]]
+                    seg.free_count -= 1
+                    slot = self._slots[key]
+                    slot.gen += 1
+                    slot.refs = {borrower: 1}
+                    handle = Handle(key[0], key[1], nbytes, slot.gen)
                     break
-                key = self._larger_free(cls)  # type: ignore[assignment]
-                if key is not None:
-                    break
-                if self._pending_for(cls):
-                    self.cond.wait()  # reserve() is making it; it notifies when done
-                    continue
-                if self._grow_one(cls):
-                    continue
-                if self.mapped + self._pending + seg_size <= self.capacity:
-                    self._new_segment(cls)
-                    continue
-                if self._evict_one(cls):
-                    continue
-                if seg_size > self.capacity:
-                    raise self._capacity_error(nbytes, seg_size, impossible=True)
-                if wait is None:
-                    raise self._capacity_error(nbytes, seg_size)
-                # Note [no call out under Arena.cond]: the hook runs with the lock released.
-                frees = self._frees
-                self.cond.release()
-                try:
-                    pause = wait()
-                finally:
-                    self.cond.acquire()
+                if key is _RESERVING:
+                    ticket = cond.park()  # reserve() is making it; it wakes us when done
+                else:
+                    frees = self._frees
+            if key is _RESERVING:
+                _lockorder.sleep(ticket)
+                continue
+            # Note [no call out under Arena.cond]: the hook runs with the lock released.
+            pause = wait()  # type: ignore[misc]
+            with cond:
                 if pause is None or pause is False:
                     raise self._capacity_error(nbytes, seg_size)
-                if pause is not True and pause > 0 and self._frees == frees and not self._deferred:
-                    self.cond.wait(pause)
-            seg = self._segs[key[0]]
-            seg.free_count -= 1
-            slot = self._slots[key]
-            slot.gen += 1
-            slot.refs = {borrower: 1}
-            handle = Handle(key[0], key[1], nbytes, slot.gen)
+                if pause is True or pause <= 0 or self._frees != frees or self._deferred:
+                    continue
+                ticket = cond.park()
+            if not _lockorder.sleep(ticket, pause):
+                with cond:
+                    cond.unpark(ticket)
         view = np.frombuffer(seg.mm, np.uint8, count=nbytes, offset=key[1])
         return handle, view
+
+    def _find_slot(self, cls: int, nbytes: int, seg_size: int, may_wait: bool) -> Any:
+        """``cond`` held: the key of a free slot of class ``cls`` (made, grown or evicted for
+        if need be), or ``_RESERVING`` (a reservation of that class is being made: wait for
+        it), or ``_FULL`` (none within the cap: ask the caller's wait hook). Raises
+        ShmCapacityError when the arena is closed, a reservation failed, or nothing can ever
+        fit (or nobody may wait)."""
+        while True:
+            if self.closed:
+                raise ShmCapacityError(f"the shared memory of {self.label} was closed")
+            if self.reserve_error is not None:
+                err, self.reserve_error = self.reserve_error, None
+                raise err
+            if self._deferred:
+                self._apply_deferred()
+            free = self._free.get(cls)
+            if free:
+                return free.pop()
+            key = self._larger_free(cls)
+            if key is not None:
+                return key
+            if self._pending_for(cls):
+                return _RESERVING
+            if self._grow_one(cls):
+                continue
+            if self.mapped + self._pending + seg_size <= self.capacity:
+                self._new_segment(cls)
+                continue
+            if self._evict_one(cls):
+                continue
+            if seg_size > self.capacity:
+                raise self._capacity_error(nbytes, seg_size, impossible=True)
+            if not may_wait:
+                raise self._capacity_error(nbytes, seg_size)
+            return _FULL
 
     def _capacity_error(self, nbytes: int, seg_size: int, impossible: bool = False) -> ShmCapacityError:
         held = sum(self._cls(k[0]) for k, s in self._slots.items() if s.refs)
@@ -419,7 +439,7 @@ class Arena:
         seg.free_count += 1
         self._free[seg.cls].append((handle.seg, handle.offset))
         self._frees += 1
-        self.cond.notify_all()
+        self.cond.wake_all()
 
     def release(self, handle: Handle, borrower: Hashable, count: int = 1) -> bool:
         """Drop ``count`` references of ``borrower``; False (ignored) for stale/unknown ones."""
@@ -545,7 +565,7 @@ class Arena:
             self._foreign_ids.pop(seg.origin, None)
             self._forgotten.append(seg_id)
             close_quietly(seg)
-        self.cond.notify_all()
+        self.cond.wake_all()
 
     def mapping(self, seg_id: int) -> mmap.mmap | None:
         """The mapping of a segment of this arena's or a forwarded one (mapped now, for a
@@ -576,9 +596,13 @@ class Arena:
             self._slots.clear()
             self._free.clear()
             self.mapped = 0
-            self.cond.notify_all()
+            self.cond.wake_all()
         for seg in segs:
             close_quietly(seg)
+
+
+_RESERVING = "reserving"  # _find_slot: a reservation of the class is being made
+_FULL = "full"  # _find_slot: nothing free within the cap
 
 
 def close_quietly(seg) -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,7 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import cpu_count, register_parallel_backend
 
+from .. import _lockorder
 from .._errors import PoolStateError, PoolTerminatedError, TransportError
 from .._nojax import find_tracer
 from .._pickling import tracer_error_type
@@ -165,7 +167,8 @@ class _Call:
     __slots__ = ("cond", "failed")
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        # retrieve_result parks on it (Note [waits a Ctrl-C cannot break] in _lockorder).
+        self.cond = _lockorder.condition("joblib._Call.cond")
         self.failed: _Job | None = None
 
 
@@ -335,7 +338,7 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
                     job.done = True
                     if error is not None and call.failed is None:
                         call.failed = job
-                    call.cond.notify_all()
+                    call.cond.wake_all()
 
         with self._jobs_lock:
             self._jobs.add(job)
@@ -374,10 +377,21 @@ class JaxTransportBackend(AutoBatchingMixin, ParallelBackendBase):
         if out is None:  # joblib registered this batch's outcome itself (its input raised)
             return None
         call = out.call
-        with call.cond:
-            if not call.cond.wait_for(lambda: out.done or call.failed is not None, timeout):
-                raise multiprocessing.TimeoutError()  # what joblib raises for every backend
-            failed = call.failed
+        cond = call.cond
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with cond:
+                if out.done or call.failed is not None:
+                    failed = call.failed
+                    break
+                ticket = cond.park()
+            if not _lockorder.sleep(ticket, None if deadline is None else deadline - time.monotonic()):
+                with cond:
+                    cond.unpark(ticket)
+                    if not (out.done or call.failed is not None):
+                        raise multiprocessing.TimeoutError()  # what joblib raises for every backend
+                    failed = call.failed
+                break
         return self.retrieve_result_callback(out if failed is None else failed)
 
     def retrieve_result_callback(self, out: Any) -> Any:

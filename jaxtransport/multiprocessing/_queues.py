@@ -27,7 +27,7 @@ from multiprocessing import context as _mpcontext
 from multiprocessing import util as _util
 from typing import Any
 
-from .. import _os
+from .. import _lockorder, _os
 from .._shm import DEFAULT_SHM_THRESHOLD
 from . import _sharing
 from ._methods import std_context
@@ -98,7 +98,9 @@ class Queue:
         self._reset()
 
     def _reset(self) -> None:
-        self._notempty = threading.Condition(threading.Lock())
+        # The feeder parks on it; put() takes it in the caller's thread: no Ctrl-C can leave it
+        # held (Note [waits a Ctrl-C cannot break] in jaxtransport._lockorder).
+        self._notempty = _lockorder.condition("Queue._notempty")
         self._buffer: collections.deque = collections.deque()
         self._busy = [False]  # the feeder is sending (outside the lock)
         self._thread: threading.Thread | None = None
@@ -145,7 +147,7 @@ class Queue:
         if self._thread is None:
             self._start_thread()
         self._buffer.append(out)
-        self._notempty.notify()
+        self._notempty.wake_all()
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj, False)
@@ -226,21 +228,21 @@ class Queue:
     def _finalize_close(buffer: Any, notempty: Any) -> None:
         with notempty:
             buffer.append(_SENTINEL)
-            notempty.notify()
+            notempty.wake_all()
 
     @staticmethod
     def _feed(buffer: Any, notempty: Any, writer: Any, busy: Any, wlock: Any) -> None:
-        out = None
         while True:
             with notempty:
                 busy[0] = False
-                del out
-                while True:  # not `while not buffer:` (Note [loops that end in a test])
-                    if buffer:
-                        break
-                    notempty.wait()
-                out = buffer.popleft()
-                busy[0] = True
+                if buffer:
+                    out = buffer.popleft()
+                    busy[0] = True
+                else:
+                    out, ticket = None, notempty.park()
+            if out is None:
+                _lockorder.sleep(ticket)
+                continue
             if out is _SENTINEL:
                 with notempty:
                     busy[0] = False
@@ -250,6 +252,7 @@ class Queue:
                 _sharing.send_packet(writer, out, lock=wlock)
             except OSError:
                 out.discard()  # the queue's socket is gone: nobody can take it
+            out = None
 
     def __repr__(self) -> str:
         return f"<jaxtransport.multiprocessing.Queue at {id(self):#x} maxsize={self._maxsize}>"

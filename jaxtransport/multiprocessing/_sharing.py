@@ -98,7 +98,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _os, _shm
+from .. import _lockorder, _os, _shm
 from .._errors import ShmCapacityError, ShmHandleError, TransportError
 from .._nojax import find_tracer
 from .._pickling import PICKLE_PROTOCOL
@@ -763,7 +763,9 @@ class _Consumer:
         self.mappers: dict[tuple, _shm.Mapper] = {}
         self.epochs: dict[tuple, int] = {}  # newest segment list seen per sender
         self.senders: set[tuple] = set()  # owners that sent to this process themselves
-        self.wake = threading.Event()
+        # The release thread parks on it; get() wakes it from the caller's thread, where a
+        # Ctrl-C cannot leave it held (Note [waits a Ctrl-C cannot break] in _lockorder).
+        self.wake = _lockorder.condition("Consumer.wake")
         self.thread: threading.Thread | None = None
 
     def mapper(self, key) -> _shm.Mapper:
@@ -863,7 +865,8 @@ class _Consumer:
                 target=_release_loop, args=(ref,), name="jaxtransport-mp-release", daemon=True
             )
             self.thread.start()
-        self.wake.set()
+        with self.wake:
+            self.wake.wake_all()
 
 
 def _release_loop(ref) -> None:
@@ -877,15 +880,17 @@ def _release_loop(ref) -> None:
                 c.apply_releases()
             except Exception:  # noqa: BLE001 - never let the release thread die
                 pass
-            wake = None
+            wake, ticket = None, None
         else:
             wake = c.wake
-            wake.clear()
+            with wake:
+                ticket = wake.park()
         del c
         if wake is None:
             time.sleep(_RELEASE_POLL_S)
-        else:
-            wake.wait(1.0)
+        elif not _lockorder.sleep(ticket, 1.0):
+            with wake:
+                wake.unpark(ticket)
 
 
 def _write_release(m: _shm.Mapper, tok) -> None:

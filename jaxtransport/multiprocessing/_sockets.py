@@ -40,19 +40,24 @@ def take_packet(reader: socket.socket, block: bool, timeout: float | None, lock:
     """Take one packet and its fds (waiting as ``block``/``timeout`` say, as ``Queue.get``);
     ``queue.Empty`` if none came. Several processes may take from one socket: a packet another
     one took first is waited past; on a stream they take turns under ``lock`` (the reader
-    lock). Nothing is rebuilt here (``_sharing.decode`` does that)."""
+    lock, held only to take a packet that is there). Nothing is rebuilt here (``_sharing.decode`` does that)."""
     if timeout is not None and timeout < 0:
         raise ValueError("'timeout' must be a non-negative number")
     deadline = None if (block and timeout is None) else time.monotonic() + (timeout if block and timeout else 0.0)
     if lock is not None:
-        if not lock.acquire(block, None if deadline is None else max(deadline - time.monotonic(), 0.0)):
-            raise queue.Empty
-        try:
+        # Wait with no lock held, then take the packet under the reader lock's own C semaphore
+        # (``multiprocessing``'s Lock wraps it in Python ``__enter__``/``acquire`` code): with
+        # ``with``, a Ctrl-C cannot leave a lock held that every consumer process shares (Note
+        # [waits a Ctrl-C cannot break] in jaxtransport._lockorder).
+        semlock = getattr(lock, "_semlock", lock)
+        while True:
             if not wait_readable(reader, deadline):
                 raise queue.Empty
-            return _sharing.recv_packet(reader)
-        finally:
-            lock.release()
+            with semlock:
+                if wait_readable(reader, time.monotonic()):  # not taken by another consumer first
+                    return _sharing.recv_packet(reader)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty
     while True:
         if not wait_readable(reader, deadline):
             raise queue.Empty

@@ -260,8 +260,9 @@ class Engine:
         many may be sent now (so a feeder sends a batch per wait, not a chunk); raises
         PoolStateError once the pool has stopped. Woken by ``imap_progress`` once enough chunks
         finished or were consumed, and looks again every ``SPACE_POLL_S`` anyway."""
-        with self.space:
-            while True:  # not `while not stopped:` (Note [loops that end in a test])
+        space = self.space
+        while True:  # parks on ``space`` (Note [waits a Ctrl-C cannot break] in _lockorder)
+            with space:
                 if self.flags.stopped:
                     break
                 limit = self.imap_window(light_results(), light_args)
@@ -272,10 +273,12 @@ class Engine:
                     return room
                 self.imap_need = max(1, want - room)
                 self.imap_waiting += 1
-                try:
-                    self.space.wait(SPACE_POLL_S)
-                finally:
-                    self.imap_waiting -= 1
+                ticket = space.park()
+            woken = _lockorder.sleep(ticket, SPACE_POLL_S)
+            with space:
+                self.imap_waiting -= 1
+                if not woken:
+                    space.unpark(ticket)
         raise PoolStateError("Pool not running: it was terminated while imap was feeding it.")
 
     def imap_progress(self, chunks: int = 1) -> None:
@@ -290,7 +293,7 @@ class Engine:
                     # A feeder that waits again sets its need anew, under this lock.
                     if self.imap_need <= 0:
                         self.imap_need = IMAP_TOLD
-                        self.space.notify_all()
+                        self.space.wake_all()
 
     def function_blob(self, fn):
         return _wire.function_blob(fn, threshold=self.threshold, locate=lambda: first_tracer((fn, "func")))
@@ -390,32 +393,39 @@ class Engine:
         dispatch them (Note [one task on a busy pool]); their slots are released if the pool
         stopped meanwhile."""
         wake = False
-        with self.lock:
-            # No loop here ends in a test: a Ctrl-C there would leave this lock held for ever
-            # (Note [loops that end in a test]).
-            if self.flags.stopped:
+        try:
+            with self.lock:
+                # No loop here ends in a test: a Ctrl-C there would leave this lock held for ever
+                # (Note [loops that end in a test]).
+                if self.flags.stopped:
+                    for chunk in chunks:
+                        if not chunk.handles:
+                            continue
+                        self.arena.release_all(chunk.key)
+                    raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
                 for chunk in chunks:
-                    if not chunk.handles:
+                    if not chunk.trees:
                         continue
-                    self.arena.release_all(chunk.key)
-                raise PoolStateError("Pool not running: it was terminated or broke while the task was being sent.")
-            for chunk in chunks:
-                if not chunk.trees:
-                    continue
-                self.trees.use(chunk.trees)
-            self.scheduler.add_many(chunks)
-            if run is not None:
-                self.scheduler.add_run(run)
-            if run is None and (
-                len(chunks) == 1
-                and chunks[0].small
-                and (self.dispatch_asked or any(w.outstanding for w in self.workers))
-            ):
-                wake, self.dispatch_asked = not self.dispatch_asked, True
-            else:
-                self.dispatch()
-        if wake:
-            self.wake()
+                    self.trees.use(chunk.trees)
+                self.scheduler.add_many(chunks)
+                if run is not None:
+                    self.scheduler.add_run(run)
+                if run is None and (
+                    len(chunks) == 1
+                    and chunks[0].small
+                    and (self.dispatch_asked or any(w.outstanding for w in self.workers))
+                ):
+                    wake, self.dispatch_asked = not self.dispatch_asked, True
+                else:
+                    try:
+                        self.dispatch()
+                    except BaseException:
+                        # Note [a Ctrl-C while dispatching]: what is still pending, the manager sends.
+                        wake, self.dispatch_asked = not self.dispatch_asked, True
+                        raise
+        finally:
+            if wake:
+                self.wake()
 
     def dispatch(self) -> None:
         """Lock held: hand pending chunks to workers that may take them and post them."""
@@ -447,8 +457,29 @@ class Engine:
                 w.post(task, segs)
             else:
                 batches.setdefault(w, []).append(task)
+        # Note [a Ctrl-C while dispatching]
+        # A caller's thread dispatches (the main thread, in a Ctrl-C's way): a KeyboardInterrupt
+        # that lands in one worker's post (most often just after its write) must not keep the
+        # other workers' batches, already counted as theirs, from going out: they would never
+        # run, pool.join() would wait for them for ever, and a worker whose tasks never came is
+        # taken out of the rotation once they are taken back. So every batch is posted, one
+        # whose post was interrupted before it wrote or queued anything (``Sender.committed``
+        # still False: the interrupt came at the call's start) is posted again, then the
+        # interrupt is raised again; and ``_enqueue`` has the manager dispatch what an
+        # interrupted dispatch left pending. An interrupt between handing a chunk to a worker
+        # and staging its task can still lose it (a narrower window, CHANGELOG).
+        interrupted: BaseException | None = None
         for w, batch in batches.items():
-            w.post(batch)
+            sender = w.sender
+            sender.committed = False
+            try:
+                sender.post(batch)
+            except BaseException as e:  # noqa: BLE001 - raised again below
+                interrupted = interrupted or e
+                if not sender.committed:
+                    sender.post(batch)
+        if interrupted is not None:
+            raise interrupted
         if self.flags.closed:
             self.maybe_stop()
 

@@ -1,8 +1,8 @@
 """``jaxtransport.Executor``: the ``concurrent.futures.Executor`` face of the Pool's engine.
 
 Same workers, shared memory, placements, tracer errors and crash handling as
-:class:`~jaxtransport.Pool` (it owns one); futures are ``concurrent.futures.Future``, so
-``as_completed``, ``wait`` and ``asyncio.wrap_future`` work.
+:class:`~jaxtransport.Pool` (it owns one); futures are ``concurrent.futures.Future`` (``_future.Future``,
+whose waits no Ctrl-C can break), so ``as_completed``, ``wait`` and ``asyncio.wrap_future`` work.
 
 Flow: ``submit`` hands a call to the pool at once (pickling and copying large arrays in the
 caller's thread, so a Tracer or an unpicklable argument raises there) while fewer than
@@ -45,6 +45,7 @@ from .. import _lockorder
 from .._errors import BrokenExecutorError, PoolStateError, PoolTerminatedError
 from .._nojax import find_tracer_in
 from ._facade import Pool
+from ._future import Future
 from ._results import AsyncResult, FuturesResult
 
 __all__ = ["Executor", "get_reusable_executor", "shutdown_reusable_executor"]
@@ -87,10 +88,11 @@ def _run_chunk(fn: Callable, chunk: list) -> list:
 
 
 class _Call:
-    __slots__ = ("args", "fn", "future", "kwargs")
+    __slots__ = ("args", "counted", "fn", "future", "kwargs")
 
     def __init__(self, future: concurrent.futures.Future, fn: Callable, args: tuple, kwargs: dict) -> None:
         self.future, self.fn, self.args, self.kwargs = future, fn, args, kwargs
+        self.counted = False  # in the executor's _in_flight (Executor._finished takes it out once)
 
 
 class Executor(concurrent.futures.Executor):
@@ -139,8 +141,9 @@ class Executor(concurrent.futures.Executor):
         self._narrow = 2 * self._pool.processes
         self._max_in_flight = self._narrow
         self._light = 0  # results in a row that needed no shared memory
-        self._lock = _lockorder.lock("Executor._lock")
-        self._wake = threading.Condition(self._lock)
+        # Its waiters (the dispatcher, shutdown's wait for idleness) park on it: no Ctrl-C can
+        # leave it held (Note [waits a Ctrl-C cannot break] in _lockorder).
+        self._lock = _lockorder.condition("Executor._lock")
         self._pending: collections.deque[_Call] = collections.deque()
         self._in_flight = 0
         self._shutdown = False
@@ -154,13 +157,28 @@ class Executor(concurrent.futures.Executor):
         """Schedule ``fn(*args, **kwargs)``; returns its Future at once. Raises here (not on the
         future) for a Tracer anywhere in the call (TracerTransportError naming its path), and,
         when the call goes to the pool at once, for an argument that cannot be pickled."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future = Future()
         call = _Call(future, fn, args, kwargs)
-        with self._lock:
-            self._check_open()
-            direct = not self._pending and self._in_flight < self._max_in_flight
+        direct = False
+        try:
+            # A Ctrl-C anywhere from here on leaves the books right: ``call.counted`` is set
+            # with no call in between that a KeyboardInterrupt could land after, and
+            # ``_finished`` takes a counted call out once, whoever asks first (this handler, or
+            # the result if the pool had the call already): else ``shutdown(wait=True)`` would
+            # wait for ever for a call that never went.
+            with self._lock:
+                self._check_open()
+                direct = not self._pending and self._in_flight < self._max_in_flight
+                if direct:
+                    self._in_flight += 1
+                    call.counted = True
             if direct:
-                self._in_flight += 1
+                future.set_running_or_notify_cancel()
+                self._send(call)
+        except BaseException:
+            if direct:
+                self._finished(call)
+            raise
         if not direct:
             # It waits in the queue: find a Tracer now (the pool's pickling finds it for direct
             # calls), so that the error is raised here, not later on the future.
@@ -173,13 +191,6 @@ class Executor(concurrent.futures.Executor):
                 self._check_open()
                 self._pending.append(call)
                 self._ensure_dispatcher()
-        if direct:
-            future.set_running_or_notify_cancel()
-            try:
-                self._send(call)
-            except BaseException:
-                self._finished()
-                raise
         return future
 
     def map(self, fn: Callable, *iterables: Iterable, timeout: float | None = None, chunksize: int = 1) -> Iterator:
@@ -241,7 +252,7 @@ class Executor(concurrent.futures.Executor):
                     if not self._pending:
                         break
                     self._pending.popleft().future.cancel()
-            self._wake.notify_all()
+            self._lock.wake_all()
         if self._reusable:
             if wait:
                 self._wait_idle()
@@ -286,7 +297,7 @@ class Executor(concurrent.futures.Executor):
 
         def done(value: Any) -> None:
             fut.set_result(value)
-            self._finished()
+            self._finished(call)
 
         def failed(exc: BaseException) -> None:
             if isinstance(exc, PoolStateError):  # the pool broke under this call
@@ -295,7 +306,7 @@ class Executor(concurrent.futures.Executor):
                 broken.__cause__ = exc
                 exc = broken
             fut.set_exception(exc)
-            self._finished()
+            self._finished(call)
 
         def fast(ok: bool, value: Any) -> bool:
             # On the pool's manager thread: complete a future that has no done-callbacks here
@@ -308,7 +319,7 @@ class Executor(concurrent.futures.Executor):
                 if getattr(fut, "_done_callbacks", True):
                     return False
                 fut.set_result(value)
-            self._finished()
+            self._finished(call)
             return True
 
         result = FuturesResult(self._pool, done, failed, fast)
@@ -370,23 +381,29 @@ class Executor(concurrent.futures.Executor):
         if heavy:
             self._narrow_window()
         for result, exc in failed:
-            self._finished()
-            results[id(result)].future.set_exception(exc)
+            call = results[id(result)]
+            self._finished(call)
+            call.future.set_exception(exc)
 
-    def _finished(self) -> None:
+    def _finished(self, call: _Call) -> None:
+        """``call`` is done with (finished, failed, cancelled or never sent): out of the calls
+        in flight, once however often this is asked."""
         with self._lock:
+            if not call.counted:
+                return
+            call.counted = False
             self._in_flight -= 1
             n = self._in_flight
             # Wake the dispatcher once half the room is free (it then sends a batch), and
             # whoever waits for idleness at zero: not at every call.
             if n == 0 or (n <= self._max_in_flight // 2 and self._pending):
-                self._wake.notify_all()
+                self._lock.wake_all()
 
     def _mark_broken(self, cause: BaseException) -> None:
         with self._lock:
             self._broken = cause
             pending, self._pending = list(self._pending), collections.deque()
-            self._wake.notify_all()
+            self._lock.wake_all()
         for call in pending:
             if call.future.set_running_or_notify_cancel():
                 call.future.set_exception(BrokenExecutorError(f"This jaxtransport.Executor is broken: {cause}"))
@@ -395,8 +412,8 @@ class Executor(concurrent.futures.Executor):
         """Dispatcher: the pending calls there is room for, once there is room; empty (the
         thread ends) when nothing is pending or the pool broke. ``submit`` starts a new one
         when needed."""
-        with self._lock:
-            while True:
+        while True:
+            with self._lock:
                 if self._broken is not None or not self._pending:
                     self._dispatcher = None
                     return []
@@ -404,15 +421,19 @@ class Executor(concurrent.futures.Executor):
                 if room > 0:
                     calls = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
                     self._in_flight += len(calls)
+                    for call in calls:
+                        call.counted = True
                     return calls
-                self._wake.wait()
+                ticket = self._lock.park()
+            _lockorder.sleep(ticket)
 
     def _wait_idle(self) -> None:
-        with self._lock:
-            while True:  # not `while <test>:` (Note [loops that end in a test])
+        while True:
+            with self._lock:
                 if not (self._pending or self._in_flight):
-                    break
-                self._wake.wait()
+                    return
+                ticket = self._lock.park()
+            _lockorder.sleep(ticket)
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else ("shut down" if self._shutdown else "running")
@@ -470,14 +491,14 @@ def _dispatch(ref: weakref.ref) -> None:
             if call.future.set_running_or_notify_cancel():
                 running.append(call)
             else:
-                ex._finished()
+                ex._finished(call)
         if running:
             try:
                 ex._send_many(running)
             except BaseException as e:  # noqa: BLE001 - never leave the calls' futures waiting
                 for call in running:
                     if not call.future.done():
-                        ex._finished()
+                        ex._finished(call)
                         call.future.set_exception(e)
         del calls, running
 

@@ -18,6 +18,7 @@ import multiprocessing
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,10 +28,13 @@ from .._errors import PoolStateError
 
 __all__ = ["AsyncResult", "CallbackRunner", "IMapIterator", "MapResult"]
 
-_in_callback = threading.local()
-# Results make their Event only when someone waits before they are done (most tiny tasks are
-# done by then): this lock orders "done" against "an Event was made".
-_EVENTS_LOCK = _lockorder.lock("results._EVENTS_LOCK")  # .active: this thread is a pool's callback thread
+_in_callback = threading.local()  # .active: this thread is a pool's callback thread
+# Results make their condition only when someone waits before they are done (most tiny tasks
+# are done by then): this lock orders "done" against "a condition was made". Every wait here
+# parks on a _lockorder.Condition, which no KeyboardInterrupt can leave locked (Note [waits a
+# Ctrl-C cannot break] in _lockorder): a Ctrl-C in get() once left a threading.Event locked,
+# and the manager thread setting it waited for ever.
+_EVENTS_LOCK = _lockorder.lock("results._EVENTS_LOCK")
 
 
 class CallbackRunner:
@@ -118,7 +122,7 @@ class AsyncResult:
         self, keepalive: Any, callback: Callable | None = None, error_callback: Callable | None = None
     ) -> None:
         self._done = False
-        self._event: threading.Event | None = None  # made by the first wait() before it is done
+        self._cond: _lockorder.Condition | None = None  # made by the first wait() before it is done
         self._callback = callback
         self._error_callback = error_callback
         self._keepalive = keepalive  # the Pool, until the result is in (as multiprocessing)
@@ -146,10 +150,19 @@ class AsyncResult:
         with _EVENTS_LOCK:
             if self._done:
                 return
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        event.wait(timeout)
+            cond = self._cond
+            if cond is None:
+                cond = self._cond = _lockorder.condition("AsyncResult.cond")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with cond:
+                if self._done:
+                    return
+                ticket = cond.park()
+            if not _lockorder.sleep(ticket, None if deadline is None else deadline - time.monotonic()):
+                with cond:
+                    cond.unpark(ticket)
+                return
 
     def get(self, timeout: float | None = None) -> Any:
         """The value, or raise the task's exception (its ``__cause__`` is the remote traceback).
@@ -176,9 +189,10 @@ class AsyncResult:
             _call_quietly(self._error_callback, value)
         with _EVENTS_LOCK:
             self._done = True
-            event = self._event
-        if event is not None:
-            event.set()
+            cond = self._cond
+        if cond is not None:
+            with cond:
+                cond.wake_all()
         self._keepalive = None
 
     def chunk_done(self, index: int, ok: bool, value: Any) -> None:
@@ -273,8 +287,7 @@ class IMapIterator:
     multiprocessing (raises multiprocessing.TimeoutError)."""
 
     def __init__(self, keepalive: Any, ordered: bool, on_consumed: Callable[[], None] | None = None) -> None:
-        self._lock = _lockorder.lock("IMapIterator._cond")
-        self._cond = threading.Condition(self._lock)
+        self._cond = _lockorder.condition("IMapIterator._cond")
         self._on_consumed = on_consumed  # told (no lock held) when a chunk's results are all taken
         # Results in a row that came back without shared memory (-1: one did): imap's window
         # widens once they show that piling them up costs no shared memory.
@@ -308,7 +321,7 @@ class IMapIterator:
     def set_length(self, chunks: int) -> None:
         with self._cond:
             self._total_chunks = chunks
-            self._cond.notify_all()
+            self._cond.wake_all()
 
     def chunk_done(self, index: int, ok: bool, value: Any) -> None:
         self.chunks_done([(index, ok, value)])
@@ -333,10 +346,10 @@ class IMapIterator:
             else:
                 for _index, ok, value in done:
                     queue.append((ok, collections.deque(value) if ok else value))
-            self._cond.notify_all()
+            self._cond.wake_all()
 
     def next(self, timeout: float | None = None) -> Any:
-        with self._lock:  # the common case, an item ready: the condition's own lock, no wait
+        with self._cond:  # the common case, an item ready: no wait
             queue = self._queue
             item: Any = _NOTHING
             if queue:
@@ -359,27 +372,44 @@ class IMapIterator:
                 self._on_consumed()  # the feeder may have room again (imap's backpressure)
 
     def _next(self, timeout: float | None) -> Any:
-        with self._cond:
-            while True:
-                if self._queue:
-                    ok, value = self._queue[0]
-                    if not ok:
-                        self._queue.popleft()
-                        self._yielded_chunks += 1
-                        raise value
-                    if value:
-                        item = value.popleft()
-                        if not value:
-                            self._queue.popleft()
-                            self._yielded_chunks += 1
-                        return item
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._cond
+        while True:
+            with cond:
+                item = self._take()
+                if item is not _NOTHING:
+                    return item
+                ticket = cond.park()
+            if not _lockorder.sleep(ticket, None if deadline is None else deadline - time.monotonic()):
+                with cond:
+                    cond.unpark(ticket)
+                    item = self._take()
+                if item is not _NOTHING:
+                    return item
+                raise multiprocessing.TimeoutError
+
+    def _take(self) -> Any:
+        """Lock held: the next item, or _NOTHING; raises a failed chunk's exception, or
+        StopIteration after the last item."""
+        while True:
+            if self._queue:
+                ok, value = self._queue[0]
+                if not ok:
                     self._queue.popleft()
                     self._yielded_chunks += 1
-                    continue
-                if self._total_chunks is not None and self._yielded_chunks >= self._total_chunks:
-                    self._keepalive = None
-                    raise StopIteration
-                if not self._cond.wait(timeout):
-                    raise multiprocessing.TimeoutError
+                    raise value
+                if value:
+                    item = value.popleft()
+                    if not value:
+                        self._queue.popleft()
+                        self._yielded_chunks += 1
+                    return item
+                self._queue.popleft()
+                self._yielded_chunks += 1
+                continue
+            if self._total_chunks is not None and self._yielded_chunks >= self._total_chunks:
+                self._keepalive = None
+                raise StopIteration
+            return _NOTHING
 
     __next__ = next

@@ -129,6 +129,28 @@ class Scheduler:
             self.pending.appendleft(chunk)
 
     def assign(self, workers: list) -> list[tuple[Any, Chunk]]:
+        """Move pending chunks to workers (``_assign``); interrupted (a Ctrl-C in the caller's
+        thread: Note [a Ctrl-C while dispatching] in ``_engine``), the chunks it moved go back to
+        the front of ``pending``, in order, so none is left counted as a worker's but never sent.
+        Each is listed in ``out`` before it leaves ``pending``."""
+        out: list[tuple[Any, Chunk]] = []
+        try:
+            return self._assign(workers, out)
+        except BaseException:
+            self._unassign(out)
+            raise
+
+    def _unassign(self, out: list) -> None:
+        pending = self.pending
+        for w, chunk in reversed(out):
+            try:
+                w.outstanding.remove(chunk)
+            except ValueError:  # interrupted before it got there
+                pass
+            if not pending or pending[0] is not chunk:  # (interrupted before it left pending)
+                pending.appendleft(chunk)
+
+    def _assign(self, workers: list, out: list) -> list[tuple[Any, Chunk]]:
         """Move pending chunks to workers by the rule above; returns (worker, chunk) pairs to
         send, each chunk already appended to its worker's ``outstanding``.
 
@@ -138,7 +160,6 @@ class Scheduler:
         limit (ties: the first from a turning point that moves at each call, so that they spread
         over the workers), any other chunk to the first with exactly one in flight. The first
         chunk that may go nowhere stops the pass (FIFO)."""
-        out: list[tuple[Any, Chunk]] = []
         pending = self.pending
         if not pending:
             return out
@@ -147,11 +168,11 @@ class Scheduler:
             if not pending:
                 return out
             if not w.outstanding and w.can_take() and w.alive():
-                self.head()
-                chunk = pending.popleft()
+                chunk = self.head()
+                out.append((w, chunk))
+                pending.popleft()
                 chunk.began = now
                 w.outstanding.append(chunk)
-                out.append((w, chunk))
         if not pending:
             return out
         # Behind a running chunk only on a worker of quick chunks whose running one is young.
@@ -198,11 +219,11 @@ class Scheduler:
                         tiny.remove(cand)
                     continue
                 cand[4] = True
-            pending.popleft()
             w = cand[2]
+            out.append((w, chunk))
+            pending.popleft()
             chunk.began = now
             w.outstanding.append(chunk)
-            out.append((w, chunk))
             cand[0] += 1
             if cand[3] and cand[0] >= cand[3] and cand in tiny:
                 tiny.remove(cand)

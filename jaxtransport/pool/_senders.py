@@ -33,11 +33,17 @@ class Sender:
     def __init__(self, sock: socket.socket, fdsock: socket.socket, name: str):
         self.sock, self.fdsock = sock, fdsock
         self.send_nowait = _os.nowait_sender(sock)
-        self.mutex = _lockorder.lock("Sender.cond")  # guards queue/writing/closed only
-        self.cond = threading.Condition(self.mutex)
+        # Guards queue/writing/closed only; the thread parks on it (Note [waits a Ctrl-C
+        # cannot break] in _lockorder: post() runs in the caller's thread, a Ctrl-C there
+        # cannot leave it held).
+        self.cond = self.mutex = _lockorder.condition("Sender.cond")
         self.queue: collections.deque = collections.deque()
         self.writing = False
         self.closed = False
+        # Set just before post() writes or queues anything (Note [a Ctrl-C while dispatching]
+        # in _engine): cleared by a dispatching caller first, it says whether an interrupted
+        # post() did anything at all.
+        self.committed = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -47,12 +53,13 @@ class Sender:
         may close its own at any time)."""
         out = pieces(payload if isinstance(payload, list) else [payload])
         fds = [(seg_id, size, os.dup(fd)) for seg_id, size, fd in segments] if segments else []
-        with self.mutex:  # the condition's lock (its own __enter__ is a call more per post)
+        with self.mutex:
             if self.closed:
                 _close_fds(fds)
                 return
             if not fds and not self.queue and not self.writing:
                 try:
+                    self.committed = True  # no call between this and the write
                     sent = self.send_nowait(out)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
@@ -64,20 +71,24 @@ class Sender:
                 out = advance(out, sent)
                 if not out:
                     return
+            self.committed = True  # no call between this and the append
             self.queue.append((out, fds))
-            self.cond.notify()
+            self.cond.wake_all()
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                while True:  # not `while <test>:` (Note [loops that end in a test])
-                    if self.queue or self.closed:
-                        break
-                    self.cond.wait()
                 if self.closed:
                     return
-                left, fds = self.queue.popleft()
-                self.writing = True
+                item = self.queue.popleft() if self.queue else None
+                if item is None:
+                    ticket = self.cond.park()
+                else:
+                    self.writing = True
+            if item is None:
+                _lockorder.sleep(ticket)
+                continue
+            left, fds = item
             try:
                 for seg_id, size, fd in fds:
                     _shm.send_segment(self.fdsock, seg_id, size, fd)
@@ -92,14 +103,14 @@ class Sender:
                 _close_fds(fds)
                 with self.cond:
                     self.writing = False
-            del left, fds
+            del item, left, fds
 
     def _close_locked(self) -> None:
         self.closed = True
         for _pieces_left, fds in self.queue:
             _close_fds(fds)
         self.queue.clear()
-        self.cond.notify_all()
+        self.cond.wake_all()
 
     def close(self, timeout: float = 5.0) -> None:
         """Drop what is queued and end the thread (a write in progress ends when the worker
