@@ -19,6 +19,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport.pool import _launch as _pool_launch
 from jaxtransport import _wire as _pool_wire
+from jaxtransport._os import _heap
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
 from .conftest import run_python, wait_until
@@ -534,3 +535,57 @@ def test_rollout_pattern_reaches_a_steady_state():
         worker_segs = {pid: n for pid, n in p.map(pid_and_stats, range(8), chunksize=1)}
         assert all(n <= 4 for n in worker_segs.values()), worker_segs
         assert wait_until(lambda: arena.in_use() == 0, 10)
+
+
+def fresh_result_faults(nbytes):
+    """(minor faults of a fresh jnp.ones of ``nbytes`` and its block_until_ready, whether the
+    worker keeps its heap warm), the array dropped: what issue 49 timed in a worker."""
+    import jax.numpy as jnp
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = jnp.ones((nbytes // 4,), jnp.float32).block_until_ready()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del x
+    return faults, worker().heap_warm
+
+
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+def test_heap_settings_of_the_user_are_left_alone():
+    assert not _heap.heap_settings_of_user({})
+    assert not _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert _heap.heap_settings_of_user({"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=65536"})
+
+
+@pytest.mark.skipif(not _glibc() or not os.path.exists("/proc/self/statm"), reason="glibc and /proc only")
+def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idle():
+    """Note [a warm heap in workers] (issue 49): a worker's second fresh 64 MiB jax.Array is
+    built in memory the worker already touched (no fresh page, so none the host must back
+    first), and the worker gives that memory back to the kernel once idle. A worker whose
+    environment sets glibc's thresholds itself keeps them (and fresh pages each time)."""
+    n = 64 * MIB
+    with jt.Pool(1) as p:
+        wpid = p.apply(os.getpid)
+        first, warm = p.apply(fresh_result_faults, (n,))
+        assert warm
+        again = [p.apply(fresh_result_faults, (n,))[0] for _ in range(3)]
+        # 0 here; fresh pages are 33 faults (2 MiB pages) or 16,385 (4 KiB)
+        assert max(again) * 4 < max(first, 32), (first, again)
+        busy = rss_bytes(wpid)
+        # No task for IDLE_TRIM_S: the worker trims (read from outside: a task would reset the clock).
+        assert wait_until(lambda: rss_bytes(wpid) < busy - n // 2, 10 + _heap.IDLE_TRIM_S), (busy, rss_bytes(wpid))
+    with jt.Pool(1, worker_env={"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}) as p:
+        p.apply(fresh_result_faults, (n,))
+        faults, warm = p.apply(fresh_result_faults, (n,))
+        assert not warm and faults >= 32, faults
