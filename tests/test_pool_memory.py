@@ -546,7 +546,7 @@ def fresh_result_faults(nbytes):
     x = jnp.ones((nbytes // 4,), jnp.float32).block_until_ready()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     del x
-    return faults, worker().heap_warm
+    return faults, worker().heap_idle_s is not None
 
 
 def rss_bytes(pid):
@@ -561,11 +561,17 @@ def _glibc() -> bool:
         return False
 
 
-def test_heap_settings_of_the_user_are_left_alone():
+def test_heap_settings_of_the_user_are_left_alone(monkeypatch):
     assert not _heap.heap_settings_of_user({})
     assert not _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
     assert _heap.heap_settings_of_user({"MALLOC_TRIM_THRESHOLD_": "131072"})
     assert _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=65536"})
+    monkeypatch.delenv(_heap.IDLE_ENV, raising=False)
+    assert _heap.idle_trim_seconds() == _heap.IDLE_TRIM_S
+    monkeypatch.setenv(_heap.IDLE_ENV, "0.5")
+    assert _heap.idle_trim_seconds() == 0.5
+    monkeypatch.setenv(_heap.IDLE_ENV, "soon")
+    assert _heap.idle_trim_seconds() == _heap.IDLE_TRIM_S
 
 
 @pytest.mark.skipif(not _glibc() or not os.path.exists("/proc/self/statm"), reason="glibc and /proc only")
@@ -575,7 +581,7 @@ def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idl
     first), and the worker gives that memory back to the kernel once idle. A worker whose
     environment sets glibc's thresholds itself keeps them (and fresh pages each time)."""
     n = 64 * MIB
-    with jt.Pool(1) as p:
+    with jt.Pool(1, worker_env={_heap.IDLE_ENV: "1"}) as p:
         wpid = p.apply(os.getpid)
         first, warm = p.apply(fresh_result_faults, (n,))
         assert warm
@@ -583,8 +589,9 @@ def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idl
         # 0 here; fresh pages are 33 faults (2 MiB pages) or 16,385 (4 KiB)
         assert max(again) * 4 < max(first, 32), (first, again)
         busy = rss_bytes(wpid)
-        # No task for IDLE_TRIM_S: the worker trims (read from outside: a task would reset the clock).
-        assert wait_until(lambda: rss_bytes(wpid) < busy - n // 2, 10 + _heap.IDLE_TRIM_S), (busy, rss_bytes(wpid))
+        # No task for a second (JAXTRANSPORT_HEAP_IDLE_S): the worker trims (read from outside: a
+        # task would reset the clock).
+        assert wait_until(lambda: rss_bytes(wpid) < busy - n // 2, 30), (busy, rss_bytes(wpid))
     with jt.Pool(1, worker_env={"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}) as p:
         p.apply(fresh_result_faults, (n,))
         faults, warm = p.apply(fresh_result_faults, (n,))

@@ -66,6 +66,7 @@ _NAMES = {
     "try_lock_range": "_locks",
     "unlock_range": "_locks",
     "IDLE_TRIM_S": "_heap",
+    "idle_trim_seconds": "_heap",
     "keep_heap_warm": "_heap",
     "trim_heap": "_heap",
     "ENV": "_mode",
@@ -119,7 +120,7 @@ if TYPE_CHECKING:
         send_message,
         stream_locks,
     )
-    from ._heap import IDLE_TRIM_S, keep_heap_warm, trim_heap
+    from ._heap import IDLE_TRIM_S, idle_trim_seconds, keep_heap_warm, trim_heap
     from ._locks import SEM_BYTES, SemLock, init_semaphore, record_locks, semaphores, try_lock_range, unlock_range
     from ._mode import ENV, mode
     from ._pipes import (
@@ -203,6 +204,7 @@ __all__ = [
     "free_memory",
     "grow_segment",
     "has_proc",
+    "idle_trim_seconds",
     "in_band",
     "init_semaphore",
     "is_stream",

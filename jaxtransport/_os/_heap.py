@@ -39,7 +39,12 @@ zeroing, no cold page; the worker's own call takes 3.5 ms of CPU at the median a
 p99 (64 MiB), 12-16 ms at 256 MiB. Nothing is copied; what is kept is memory the process
 already had at its peak, and the worker hands all of it back (``malloc_trim(0)``, which also
 releases free pages inside the heap) once it has had no task for :data:`IDLE_TRIM_S` seconds
-(``_worker``), so an idle pool holds no more than a stock one. A worker whose environment sets
+(30; ``JAXTRANSPORT_HEAP_IDLE_S`` in ``worker_env`` sets it), so an idle pool holds no more than
+a stock one. Not after a short pause: memory handed back is reported to a VM's host within
+seconds (every 5 s or so here), so a worker that trimmed in each pause of a training loop would
+build every result in cold pages. The first buffers of a size a worker makes, and the first after
+a trim, still take fresh pages: a worker's heap grows to its working set over its first
+few tasks (a result's buffer may outlive the next task's start). A worker whose environment sets
 either threshold itself (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or
 ``glibc.malloc.mmap_threshold`` / ``trim_threshold`` in ``GLIBC_TUNABLES``) is left as it is.
 """
@@ -51,11 +56,24 @@ import os
 
 from . import _mode
 
-__all__ = ["IDLE_TRIM_S", "KEEP_MAX", "WARM_MAX", "heap_settings_of_user", "keep_heap_warm", "trim_heap"]
+__all__ = [
+    "IDLE_ENV",
+    "IDLE_TRIM_S",
+    "KEEP_MAX",
+    "WARM_MAX",
+    "heap_settings_of_user",
+    "idle_trim_seconds",
+    "keep_heap_warm",
+    "trim_heap",
+]
 
 WARM_MAX = 512 << 20  # buffers up to this size come from the heap (mmap threshold)
 KEEP_MAX = 1 << 30  # free memory at the heap's top kept mapped while working (trim threshold)
-IDLE_TRIM_S = 2.0  # a worker with no task for this long hands its free heap memory back
+# A worker with no task for this long hands its free heap memory back. Long beside a training
+# loop's pauses: memory handed back is reported to a VM's host within seconds, so a worker that
+# trimmed between every two tasks would pay the cold pages at every task.
+IDLE_TRIM_S = 30.0
+IDLE_ENV = "JAXTRANSPORT_HEAP_IDLE_S"  # overrides IDLE_TRIM_S (seconds) in a worker's environment
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -105,6 +123,15 @@ def keep_heap_warm() -> bool:
         return False
     # The trim threshold first: a heap that may now grow by large chunks never trims below it.
     return bool(lib.mallopt(_M_TRIM_THRESHOLD, KEEP_MAX)) and bool(lib.mallopt(_M_MMAP_THRESHOLD, WARM_MAX))
+
+
+def idle_trim_seconds() -> float:
+    """How long this worker waits without a task before it trims: ``JAXTRANSPORT_HEAP_IDLE_S``
+    (seconds) when set to a number, else :data:`IDLE_TRIM_S`."""
+    try:
+        return max(0.0, float(os.environ[IDLE_ENV]))
+    except (KeyError, ValueError):
+        return IDLE_TRIM_S
 
 
 def trim_heap() -> bool:

@@ -68,7 +68,8 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
     _watch_parent(cfg.parent_pid)
     global CURRENT
     CURRENT = worker = _Worker(conn, fdsock, cfg, cell, claim, init)
-    worker.heap_warm = heap_warm
+    if heap_warm:
+        worker.heap_idle_s = _os.idle_trim_seconds()
     worker.run()
 
 
@@ -124,9 +125,10 @@ class _Worker:
         self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
-        # Note [a warm heap in workers]: whether glibc keeps this worker's large buffers, and
-        # when (time.monotonic()) it hands them back if no task comes first (None: nothing to).
-        self.heap_warm = False
+        # Note [a warm heap in workers]: after how many seconds without a task this worker hands
+        # back the large buffers glibc keeps for it (None: it keeps none), and when
+        # (time.monotonic()) that is next due (None: nothing to hand back).
+        self.heap_idle_s: float | None = None
         self.trim_at: float | None = None
 
     @property
@@ -358,8 +360,8 @@ class _Worker:
                     self.arena.release(h, "parent")
                 continue
             self.run_chunk(msg)
-            if self.heap_warm:
-                self.trim_at = time.monotonic() + _os.IDLE_TRIM_S
+            if self.heap_idle_s is not None:
+                self.trim_at = time.monotonic() + self.heap_idle_s
             done += 1
             if maxtasks and done >= maxtasks:
                 import gc
