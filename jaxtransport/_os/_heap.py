@@ -33,7 +33,13 @@ took 11.8 ms at the median and 14.4 ms at p99. Measured per call in the worker:
 
 The fix keeps the worker's large buffers in its own heap while it works: ``mallopt`` raises
 the mmap threshold (buffers up to :data:`WARM_MAX` come from the heap, not from ``mmap``) and
-the trim threshold (a free of up to :data:`KEEP_MAX` at the heap's top stays mapped). The next
+the trim threshold (a free of up to :data:`KEEP_MAX` at the heap's top stays mapped), and sets
+one arena: every thread allocates from the main heap. Without that, a buffer XLA allocates on
+one of its own threads (the output of ``x + 1`` on a received array: the Executor's case) comes
+from that thread's arena, whose heaps are at most 64 MiB, so a 64 MiB buffer was still mmap'd
+fresh at every call (33 faults each, CPU p99 81 ms) while ``jnp.full``'s, made on the task's
+thread, was warm. One arena means one lock for the worker's threads' larger allocations (small
+ones come from each thread's lock-free cache); a worker's threads are the task's and XLA's. The next
 buffer of that size is then carved from pages this process already touched: 0 faults, no
 zeroing, no cold page; the worker's own call takes 3.5 ms of CPU at the median and 5.7 ms at
 p99 (64 MiB), 12-16 ms at 256 MiB. Nothing is copied; what is kept is memory the process
@@ -46,7 +52,8 @@ build every result in cold pages. The first buffers of a size a worker makes, an
 a trim, still take fresh pages: a worker's heap grows to its working set over its first
 few tasks (a result's buffer may outlive the next task's start). A worker whose environment sets
 either threshold itself (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or
-``glibc.malloc.mmap_threshold`` / ``trim_threshold`` in ``GLIBC_TUNABLES``) is left as it is.
+``glibc.malloc.mmap_threshold`` / ``trim_threshold`` in ``GLIBC_TUNABLES``) is left as it is;
+one that sets the arenas (``MALLOC_ARENA_MAX``, ``glibc.malloc.arena_max``) keeps its arenas.
 """
 
 from __future__ import annotations
@@ -75,9 +82,10 @@ KEEP_MAX = 1 << 30  # free memory at the heap's top kept mapped while working (t
 IDLE_TRIM_S = 30.0
 IDLE_ENV = "JAXTRANSPORT_HEAP_IDLE_S"  # overrides IDLE_TRIM_S (seconds) in a worker's environment
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 _USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+_USER_ARENAS = ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max")
 
 _libc = None
 
@@ -105,13 +113,14 @@ def _glibc():
     return _libc or None
 
 
-def heap_settings_of_user(environ=None) -> bool:
-    """Whether the environment sets glibc's mmap or trim threshold itself."""
+def heap_settings_of_user(environ=None, names: tuple[str, ...] = _USER_KNOBS + _USER_TUNABLES) -> bool:
+    """Whether the environment sets any of glibc's malloc settings ``names`` itself (by default
+    the mmap and trim thresholds), as a ``MALLOC_*`` variable or in ``GLIBC_TUNABLES``."""
     env = os.environ if environ is None else environ
-    if any(env.get(k) for k in _USER_KNOBS):
+    if any(env.get(k) for k in names if not k.startswith("glibc.")):
         return True
     tunables = env.get("GLIBC_TUNABLES") or ""
-    return any(p.split("=", 1)[0] in _USER_TUNABLES for p in tunables.split(":"))
+    return any(p.split("=", 1)[0] in names for p in tunables.split(":"))
 
 
 def keep_heap_warm() -> bool:
@@ -121,6 +130,11 @@ def keep_heap_warm() -> bool:
     lib = _glibc()
     if lib is None or heap_settings_of_user():
         return False
+    if not heap_settings_of_user(names=_USER_ARENAS):
+        # One arena: a thread's arena is a heap of at most 64 MiB, so a buffer of 64 MiB or more
+        # that XLA allocates on one of its own threads would still be mmap'd fresh (before any
+        # thread has an arena of its own: called first thing in the worker).
+        lib.mallopt(_M_ARENA_MAX, 1)
     # The trim threshold first: a heap that may now grow by large chunks never trims below it.
     return bool(lib.mallopt(_M_TRIM_THRESHOLD, KEEP_MAX)) and bool(lib.mallopt(_M_MMAP_THRESHOLD, WARM_MAX))
 
