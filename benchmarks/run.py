@@ -57,6 +57,7 @@ BENCHMARKS = (
     ("startup", "benchmarks.startup"),
     ("usercode", "benchmarks.usercode"),
     ("executor", "benchmarks.executor"),
+    ("tails", "benchmarks.tails"),
     ("ray", "benchmarks.ray_transfer"),
     ("rollouts", "benchmarks.rollouts"),
     ("rollouts_scale", "benchmarks.rollouts_scale"),

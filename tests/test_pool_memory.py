@@ -19,6 +19,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport.pool import _launch as _pool_launch
 from jaxtransport import _wire as _pool_wire
+from jaxtransport._os import _heap
 from jaxtransport._errors import PoolStateError, ShmCapacityError, ShmHandleError, WorkerLostError
 
 from .conftest import run_python, wait_until
@@ -534,3 +535,81 @@ def test_rollout_pattern_reaches_a_steady_state():
         worker_segs = {pid: n for pid, n in p.map(pid_and_stats, range(8), chunksize=1)}
         assert all(n <= 4 for n in worker_segs.values()), worker_segs
         assert wait_until(lambda: arena.in_use() == 0, 10)
+
+
+def fresh_result_faults(nbytes):
+    """(minor faults of a fresh jnp.ones of ``nbytes`` and its block_until_ready, whether the
+    worker keeps its heap warm), the array dropped: what issue 49 timed in a worker."""
+    import jax.numpy as jnp
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = jnp.ones((nbytes // 4,), jnp.float32).block_until_ready()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del x
+    return faults, worker().heap_idle_s is not None
+
+
+def computed_faults(x):
+    """Minor faults of making ``x + 1`` from a received array (XLA allocates that buffer on a
+    thread of its own); the array dropped."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = (x + 1).block_until_ready()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del y
+    return faults
+
+
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+def test_heap_settings_of_the_user_are_left_alone(monkeypatch):
+    assert not _heap.heap_settings_of_user({})
+    assert not _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert _heap.heap_settings_of_user({"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert _heap.heap_settings_of_user({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=65536"})
+    assert _heap.heap_settings_of_user({"MALLOC_ARENA_MAX": "2"}, names=_heap._USER_ARENAS)
+    assert not _heap.heap_settings_of_user({"MALLOC_ARENA_MAX": "2"})
+    monkeypatch.delenv(_heap.IDLE_ENV, raising=False)
+    assert _heap.idle_trim_seconds() == _heap.IDLE_TRIM_S
+    monkeypatch.setenv(_heap.IDLE_ENV, "0.5")
+    assert _heap.idle_trim_seconds() == 0.5
+    monkeypatch.setenv(_heap.IDLE_ENV, "soon")
+    assert _heap.idle_trim_seconds() == _heap.IDLE_TRIM_S
+
+
+@pytest.mark.skipif(not _glibc() or not os.path.exists("/proc/self/statm"), reason="glibc and /proc only")
+def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idle():
+    """Note [a warm heap in workers] (issue 49): a worker's second fresh 64 MiB jax.Array is
+    built in memory the worker already touched (no fresh page, so none the host must back
+    first), and the worker gives that memory back to the kernel once idle. A worker whose
+    environment sets glibc's thresholds itself keeps them (and fresh pages each time)."""
+    n = 64 * MIB
+    with jt.Pool(1, worker_env={_heap.IDLE_ENV: "1"}) as p:
+        wpid = p.apply(os.getpid)
+        first, warm = p.apply(fresh_result_faults, (n,))
+        assert warm
+        again = [p.apply(fresh_result_faults, (n,))[0] for _ in range(3)]
+        # 0 here; fresh pages are 33 faults (2 MiB pages) or 16,385 (4 KiB)
+        assert max(again) * 4 < max(first, 32), (first, again)
+        # A buffer XLA allocates on its own threads too (one arena), once the heap has grown
+        # to the worker's working set (results' buffers may outlive the next task's start).
+        x = jnp.zeros(n // 4, jnp.float32)
+        made = [p.apply(computed_faults, (x + i,)) for i in range(10)]
+        assert max(made[-3:]) * 4 < max(made[0], 32), made
+        busy = rss_bytes(wpid)
+        # No task for a second (JAXTRANSPORT_HEAP_IDLE_S): the worker trims (read from outside: a
+        # task would reset the clock).
+        assert wait_until(lambda: rss_bytes(wpid) < busy - n // 2, 30), (busy, rss_bytes(wpid))
+    with jt.Pool(1, worker_env={"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}) as p:
+        p.apply(fresh_result_faults, (n,))
+        faults, warm = p.apply(fresh_result_faults, (n,))
+        assert not warm and faults >= 32, faults

@@ -25,6 +25,8 @@ facility takes the portable path, and a test can hide the Linux facilities to ru
 - CPUs, memory, liveness (``_procinfo``): Linux ``sched_getaffinity`` (and ``sched_setaffinity``,
   to pin a process to cores), ``/proc``, pidfd; elsewhere ``os.cpu_count``, ``sysconf``,
   ``kill(pid, 0)`` (and no pinning).
+- a worker's C heap (``_heap``, Note [a warm heap in workers]): glibc ``mallopt`` and
+  ``malloc_trim``; elsewhere the C library's own behaviour.
 - starting processes (``_starts``): the standard spawn and forkserver contexts, whose children
   are told the start method jaxtransport chose (Note [the child's start method]).
 
@@ -63,6 +65,10 @@ _NAMES = {
     "semaphores": "_locks",
     "try_lock_range": "_locks",
     "unlock_range": "_locks",
+    "IDLE_TRIM_S": "_heap",
+    "idle_trim_seconds": "_heap",
+    "keep_heap_warm": "_heap",
+    "trim_heap": "_heap",
     "ENV": "_mode",
     "mode": "_mode",
     "IOV": "_pipes",
@@ -114,6 +120,7 @@ if TYPE_CHECKING:
         send_message,
         stream_locks,
     )
+    from ._heap import IDLE_TRIM_S, idle_trim_seconds, keep_heap_warm, trim_heap
     from ._locks import SEM_BYTES, SemLock, init_semaphore, record_locks, semaphores, try_lock_range, unlock_range
     from ._mode import ENV, mode
     from ._pipes import (
@@ -174,6 +181,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DONTWAIT",
     "ENV",
+    "IDLE_TRIM_S",
     "IN_BAND_THRESHOLD",
     "IOV",
     "PAGE",
@@ -196,9 +204,11 @@ __all__ = [
     "free_memory",
     "grow_segment",
     "has_proc",
+    "idle_trim_seconds",
     "in_band",
     "init_semaphore",
     "is_stream",
+    "keep_heap_warm",
     "kill_probes",
     "message_socketpair",
     "mode",
@@ -221,6 +231,7 @@ __all__ = [
     "set_cpu_affinity",
     "start_context",
     "stream_locks",
+    "trim_heap",
     "try_lock_range",
     "unlock_range",
     "wait_for_exit",

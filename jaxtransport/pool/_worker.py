@@ -61,14 +61,19 @@ def worker_main(conn, fdsock, config: bytes, block=None, init: tuple | None = No
         cell[STARTED_ID] = -2  # _processes.RUNNING: it got past bootstrapping (reached_worker_code)
     cfg: WorkerConfig = pickle.loads(config)
     _procenv.apply_environ(cfg.env)
+    # Large buffers recycled warm, handed back when idle (Note [a warm heap in workers] in
+    # _os._heap): before any task allocates.
+    heap_warm = _os.keep_heap_warm()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(cfg.parent_pid)
     global CURRENT
-    CURRENT = _Worker(conn, fdsock, cfg, cell, claim, init)
-    CURRENT.run()
+    CURRENT = worker = _Worker(conn, fdsock, cfg, cell, claim, init)
+    if heap_warm:
+        worker.heap_idle_s = _os.idle_trim_seconds()
+    worker.run()
 
 
-CURRENT = None  # the running worker (for introspection and tests)
+CURRENT: _Worker | None = None  # the running worker (for introspection and tests)
 # Results of only these exact types pickle the same with any pickler (no reducer, no array,
 # no name to look up): encode_results pickles them in one call.
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
@@ -120,6 +125,11 @@ class _Worker:
         self.tasks_read = 0  # Task messages read so far: a task's place in this worker's stream
         self.parent_gone = False
         self._wait_start: float | None = None
+        # Note [a warm heap in workers]: after how many seconds without a task this worker hands
+        # back the large buffers glibc keeps for it (None: it keeps none), and when
+        # (time.monotonic()) that is next due (None: nothing to hand back).
+        self.heap_idle_s: float | None = None
+        self.trim_at: float | None = None
 
     @property
     def wire(self):
@@ -318,6 +328,9 @@ class _Worker:
                 m, a = self._mapper, self._arena  # None until shared memory is used
                 busy = (m is not None and m.pending) or (a is not None and a.has_forgotten())
                 timeout = self.protocol.RELEASE_FLUSH_S if busy else (0.2 if m is not None and m.live else None)
+                if self.trim_at is not None:  # wake up when the heap is due back
+                    due = max(0.0, self.trim_at - time.monotonic())
+                    timeout = due if timeout is None else min(timeout, due)
                 msg = self.recv(0 if preload else timeout)
                 if preload and (msg is None or done):
                     # Once nothing waits to run, or the first chunk is done (Note [JAX imported
@@ -330,6 +343,9 @@ class _Worker:
                         msg = self.recv(timeout)
                 if msg is None:
                     self.flush_releases()
+                    if self.trim_at is not None and time.monotonic() >= self.trim_at:
+                        self.trim_at = None  # idle: the heap goes back (Note [a warm heap in workers])
+                        _os.trim_heap()
                     continue
             if self.handle_control(msg):
                 continue
@@ -344,6 +360,8 @@ class _Worker:
                     self.arena.release(h, "parent")
                 continue
             self.run_chunk(msg)
+            if self.heap_idle_s is not None:
+                self.trim_at = time.monotonic() + self.heap_idle_s
             done += 1
             if maxtasks and done >= maxtasks:
                 import gc
