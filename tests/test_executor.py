@@ -78,14 +78,14 @@ def test_futures_are_stock_futures_whose_waits_park_on_a_c_lock():
 
     stock = cf.Future()
     with jt.Executor(2) as ex:
-        slow = ex.submit(nap, 0.3)
+        slow = ex.submit(nap, 1.0)
         assert isinstance(slow, cf.Future) and set(vars(slow)) == set(vars(stock))
         assert type(slow._condition).__enter__ is type(threading.RLock()).__enter__
         assert isinstance(slow._condition, _lockorder.Condition)
         quick = ex.submit(square, 3)
         done, _ = cf.wait([slow, quick], timeout=60, return_when=cf.FIRST_COMPLETED)
         assert quick in done and quick.result() == 9
-        assert [f.result() for f in cf.as_completed([slow], timeout=60)] == [0.3]
+        assert [f.result() for f in cf.as_completed([slow], timeout=60)] == [1.0]
         with pytest.raises(cf.TimeoutError):
             ex.submit(nap, 0.3).result(timeout=0.05)
         assert isinstance(ex.submit(fail, "no").exception(timeout=60), ValueError)
