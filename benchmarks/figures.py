@@ -528,6 +528,13 @@ def _device() -> None:
     FIGURES["device.h2d.s"] = F("device", "seconds", "s", name=H2D[0], transport=H2D[1])
     FIGURES["device.d2h.last.s"] = F("device", "seconds", "s", name=D2H[0], transport=D2H_AGAIN)
     FIGURES["device.h2d.last.s"] = F("device", "seconds", "s", name=H2D[0], transport=H2D_AGAIN)
+    # Each limit: the fastest copy of the run, whole or in pieces (issue 49).
+    FIGURES["device.d2h.limit.s"] = F("device", "seconds", "s", name="D2H limit", transport="fastest copy measured")
+    FIGURES["device.h2d.limit.s"] = F("device", "seconds", "s", name="H2D limit", transport="fastest copy measured")
+    for name, tag, transport in (("Ray serialize", "ray_ser", "jaxtransport.ray serializer (in process)"),
+                                 ("Ray deserialize", "ray_de", "jaxtransport.ray deserializer (in process)")):
+        FIGURES[f"device.{tag}.jt.s"] = F("device", "seconds", "s", name=name, transport=transport)
+        FIGURES[f"device.{tag}.vs_limit"] = F("device", "vs_limit", "x2", name=name, transport=transport)
     tags = {"dumps": "dumps", "loads": "loads", "codec round trip": "codec", "Pool argument": "pool_arg",
             "Pool production": "pool_prod", "Pool result": "pool_res", "Queue": "queue"}
     for name, jt, stock in QUESTIONS:
@@ -994,10 +1001,12 @@ REMEASURE_ROWS = [
 #: ``benchmarks/device.py`` (``<!-- figures:device begin -->`` in docs/accelerators.md): one
 #: device array through jaxtransport against the device's D2H / H2D copies and the stock routes.
 DEVICE_ROWS = [
-    Row("the limits, one {device.size} float32 array: `np.asarray` of a device array (D2H) / "
-        "`jax.device_put` of a host array (H2D), measured first / again last", "",
-        "D2H {device.d2h.s} / {device.d2h.last.s}; H2D {device.h2d.s} / {device.h2d.last.s}",
-        "the limits (each row's: the faster of the two)"),
+    Row("the device's copies, one {device.size} float32 array: whole, `np.asarray` of a device array "
+        "(D2H) / `jax.device_put` of a host array (H2D), measured first / again last; and the fastest "
+        "copy of the run, whole or in pieces (8, 16, 32 or 64 slices fetched at once; pieces put at "
+        "once and joined on the device)", "",
+        "whole: D2H {device.d2h.s} / {device.d2h.last.s}; H2D {device.h2d.s} / {device.h2d.last.s}",
+        "the limits: D2H {device.d2h.limit.s}, H2D {device.h2d.limit.s} (the fastest copies)"),
     Row("`jt.dumps` of a device array", "{device.dumps.stock.s} (`pickle.dumps`, JAX's reducer)",
         "{device.dumps.jt.s}", "{device.dumps.vs_limit} D2H / {device.dumps.speedup}"),
     Row("`jt.loads` onto the device", "{device.loads.stock.s} (`pickle.loads`, JAX's reducer)",
@@ -1011,6 +1020,10 @@ DEVICE_ROWS = [
         "{device.pool_res.stock.s} (`multiprocessing.Pool` + `jax.device_put`)",
         "{device.pool_res.jt.s} (the worker's production alone: {device.pool_prod.jt.s})",
         "{device.pool_res.vs_limit} production + H2D / {device.pool_res.speedup}"),
+    Row("`jaxtransport.ray`'s serializer / deserializer of a device array, in process (protocol-5 "
+        "pickling, buffers out of band; Ray cannot start on the TPU host)", "",
+        "{device.ray_ser.jt.s} / {device.ray_de.jt.s}",
+        "{device.ray_ser.vs_limit} D2H / {device.ray_de.vs_limit} H2D"),
     Row("`jaxtransport.multiprocessing.Queue`: put of a device array, the child's get and ack",
         "{device.queue.stock.s} (`np.asarray` + `multiprocessing.Queue`)", "{device.queue.jt.s}",
         "{device.queue.vs_limit} D2H / {device.queue.speedup}"),
