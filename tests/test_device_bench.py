@@ -117,7 +117,7 @@ def test_the_device_table_renders_from_a_device_json(tmp_path):
     table = page.split("<!-- figures:device begin -->\n", 1)[1].split("<!-- figures:device end -->", 1)[0]
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(lines) == 1 + len(figures.DEVICE_ROWS)  # the header, then one per row
-    assert "the limits, one 256 MiB float32 array" in table
+    assert "the device's copies, one 256 MiB float32 array" in table and "the limits: D2H " in table
     assert "`device.json`, 2026-12-06 10:00 UTC; 3 runs, spread " in table
     assert "TPU v5 lite (1 device), TPU JAX 0.10.2" in table and "CPU-only" not in table
     assert figures.render_text(page, results) == page  # rendering is stable: --check passes
