@@ -29,6 +29,7 @@ import collections
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -207,6 +208,21 @@ class Condition(_thread.RLock):  # type: ignore[misc]
         wakers = map(_RELEASE, self._parked)
         self._parked = []
         _DRAIN(wakers)  # one C call: no KeyboardInterrupt between two releases
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Until ``ready()`` (called with this lock held) is true (True) or ``timeout`` seconds
+        passed (False: ``ready()`` was still false, checked once more after the timeout). The
+        park-and-sleep loop of the class docstring, for waiters that need nothing else."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self:
+                if ready():
+                    return True
+                ticket = self.park()
+            if not sleep(ticket, None if deadline is None else deadline - time.monotonic()):
+                with self:
+                    self.unpark(ticket)
+                    return bool(ready())
 
     def waiting(self) -> int:
         """How many tickets are parked (a waiter interrupted in its sleep counts until the next

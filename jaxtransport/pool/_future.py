@@ -20,7 +20,6 @@ inside them can still, rarely, leave a lock held (as with any executor's futures
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from concurrent.futures import _base
 from typing import Any
 
@@ -49,17 +48,8 @@ class Future(concurrent.futures.Future):
 
     def _wait(self, timeout: float | None) -> None:
         """Until the future is done (finished or cancelled) or ``timeout`` seconds passed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         cond: Any = self._condition
-        while True:
-            with cond:
-                if self._state in _DONE:
-                    return
-                ticket = cond.park()
-            if not _lockorder.sleep(ticket, None if deadline is None else deadline - time.monotonic()):
-                with cond:
-                    cond.unpark(ticket)
-                return
+        cond.wait_for(lambda: self._state in _DONE, timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         try:

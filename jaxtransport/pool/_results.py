@@ -153,16 +153,7 @@ class AsyncResult:
             cond = self._cond
             if cond is None:
                 cond = self._cond = _lockorder.condition("AsyncResult.cond")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with cond:
-                if self._done:
-                    return
-                ticket = cond.park()
-            if not _lockorder.sleep(ticket, None if deadline is None else deadline - time.monotonic()):
-                with cond:
-                    cond.unpark(ticket)
-                return
+        cond.wait_for(lambda: self._done, timeout)
 
     def get(self, timeout: float | None = None) -> Any:
         """The value, or raise the task's exception (its ``__cause__`` is the remote traceback).
