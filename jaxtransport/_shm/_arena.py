@@ -192,7 +192,16 @@ class Arena:
         for c, keys in self._free.items():
             if keys and cls < c <= 2 * cls and (best is None or c < best):
                 best = c
-        return self._free[best].pop() if best is not None else None
+        if best is None:
+            return None
+        # Only while little of the cap is in use: a held larger slot wastes up to half of
+        # itself, and at a tight cap that waste is room the next arrays need (3 x 2 MiB at an
+        # 8 MiB cap found 2 free 5 MiB slots and held 10 MiB). Making the exact class instead
+        # evicts the larger free segment when room is short, so nothing that fitted stops fitting.
+        in_use = sum((s.nslots - s.free_count) * s.cls for s in self._segs.values())
+        if in_use + best > self.capacity // 2:
+            return None
+        return self._free[best].pop()
 
     def _pending_for(self, cls: int) -> bool:
         return any(n and (c == cls or (cls >= SLAB and cls < c <= 2 * cls)) for c, n in self._pending_cls.items())
