@@ -29,10 +29,6 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # `make test TEST_JOBS=0` runs it in this one process (pytest's own order, -x and pdb work).
 TEST_JOBS ?= 3
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadgroup)
-# The range targets (test-newest, test-floor) stay in one process: there, in parallel test
-# processes, tests/test_multiprocessing.py::test_killed_consumer_gives_its_memory_back found 2
-# slots of the process-wide sender still held by an earlier test's receivers and failed its
-# first put (3.13 and 3.10; issue 49's note). Not yet understood: serial until it is.
 # `make bench BENCH_ARGS="--quick"`; `--publish` rewrites benchmarks/results/ (default: the
 # git-ignored benchmarks/results/scratch/).
 BENCH_ARGS ?=
@@ -143,10 +139,10 @@ test-platforms: $(STAMP)
 	@if ls /dev/shm | grep -q '^jaxtransport-'; then echo "test-platforms left /dev/shm/jaxtransport-* behind"; exit 1; fi
 
 test-newest: $(NEWEST_VENV)/.installed
-	$(NEWEST_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
+	$(NEWEST_VENV)/bin/python -m pytest -q -ra $(XDIST) -p no:cacheprovider $(RANGE_TESTS)
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(RANGE_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest -q -ra $(XDIST) -p no:cacheprovider $(RANGE_TESTS)
 
 # ruff (lint + format check) and mypy over jaxtransport/, configured in pyproject.toml.
 lint: $(LINT_STAMP)

@@ -549,6 +549,16 @@ def fresh_result_faults(nbytes):
     return faults, worker().heap_idle_s is not None
 
 
+def fresh_result_rss(nbytes):
+    """The worker's resident bytes after a fresh jnp.ones of ``nbytes`` was made and dropped
+    (its memory kept in the warm heap)."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32).block_until_ready()
+    del x
+    return rss_bytes(os.getpid())
+
+
 def computed_faults(x):
     """Minor faults of making ``x + 1`` from a received array (XLA allocates that buffer on a
     thread of its own); the array dropped."""
@@ -593,8 +603,9 @@ def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idl
     first), and the worker gives that memory back to the kernel once idle. A worker whose
     environment sets glibc's thresholds itself keeps them (and fresh pages each time)."""
     n = 64 * MIB
-    with jt.Pool(1, worker_env={_heap.IDLE_ENV: "1"}) as p:
-        wpid = p.apply(os.getpid)
+    # A long idle time while faults are counted: on a loaded machine a second between two tasks
+    # would trim the heap in between (CI's make test met that).
+    with jt.Pool(1, worker_env={_heap.IDLE_ENV: "600"}) as p:
         first, warm = p.apply(fresh_result_faults, (n,))
         assert warm
         again = [p.apply(fresh_result_faults, (n,))[0] for _ in range(3)]
@@ -605,7 +616,9 @@ def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idl
         x = jnp.zeros(n // 4, jnp.float32)
         made = [p.apply(computed_faults, (x + i,)) for i in range(10)]
         assert max(made[-3:]) * 4 < max(made[0], 32), made
-        busy = rss_bytes(wpid)
+    with jt.Pool(1, worker_env={_heap.IDLE_ENV: "1"}) as p:
+        wpid = p.apply(os.getpid)
+        busy = p.apply(fresh_result_rss, (n,))  # read in the task: the clock starts after it
         # No task for a second (JAXTRANSPORT_HEAP_IDLE_S): the worker trims (read from outside: a
         # task would reset the clock).
         assert wait_until(lambda: rss_bytes(wpid) < busy - n // 2, 30), (busy, rss_bytes(wpid))
