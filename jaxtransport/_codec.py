@@ -225,8 +225,13 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # travels in pieces, rows along its first axis: pieces of CHUNK_BYTES, or of a quarter of the
 # array when that is less. Each piece is cut by a jitted ``dynamic_slice``, taken as unsigned
 # integers of its width (``bitcast_convert_type``) and, where its element count allows, reshaped
-# to rows of LANES elements (the same bytes in the same order); WINDOW pieces are in flight
-# with ``copy_to_host_async``, each copied into the destination while the next ones travel.
+# to rows of LANES elements (the same bytes in the same order); they are started
+# with ``copy_to_host_async`` and each copied into the destination while the next ones travel.
+# WINDOW_BYTES of pieces are in flight (all of a 256 MiB array's 32): the chip's copies to the
+# host run side by side, and one at a time they do not. On the v5e, 256 MiB fetched as 64, 32
+# or 16 slices at once took 21.5-22.3 ms, as 8 slices 106 ms; with 4 pieces of 8 MiB in flight,
+# the Pool's argument took 43 ms (issue 49). The copies into the destination, at the host's
+# memcpy speed (20 GB/s there), keep pace with the pieces' arrival, so they hide behind it.
 # Measured on the chip for the six arrays above, in 8 MiB pieces: reshaped 6, 6, 6 and 41, 40,
 # 41 ms; not reshaped 7, 34, 6 and 42, 262, 40 ms (4 MiB pieces: a little slower; 16 MiB
 # pieces, not reshaped: 8, 69, 7 and 61, 303, 56 ms). Those runs reshaped the float32 pieces
@@ -239,12 +244,13 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # array in pieces of its own, each its own host buffer (Note [pickled in pieces]).
 #
 # Costs: one compile of the slicing function per shape, dtype and piece size (cached by jit),
-# and up to WINDOW pieces of device memory while it runs. An array whose host copy JAX already
-# holds (``_npy_value``) is copied from there.
+# and up to WINDOW_BYTES of pieces in device memory while it runs. An array whose host copy
+# JAX already holds (``_npy_value``) is copied from there.
 CHUNKED_MIN = 8 << 20
 CHUNK_BYTES = 8 << 20
 MIN_PIECES, MIN_PIECE = 4, 1 << 20
-WINDOW = 4
+WINDOW_BYTES = 256 << 20
+MIN_WINDOW = 4
 LANES = 256
 # The types whose pieces the chip gives back bit for bit (a NaN's payload, a subnormal), seen on
 # a TPU v5e with random bits (tests/test_on_device.py): a float16 piece came back with its NaNs
@@ -385,6 +391,7 @@ def _copy_in_pieces(
 ) -> None:
     take = _slicer(per, lanes, as_bits)
     starts = list(range(0, rows, per))
+    window = max(MIN_WINDOW, WINDOW_BYTES // max(per * row_bytes, 1))
     pending: list[tuple[int, Any]] = []
 
     def issue(k: int) -> None:
@@ -393,12 +400,12 @@ def _copy_in_pieces(
         piece.copy_to_host_async()
         pending.append((first, piece))
 
-    for k in range(min(WINDOW, len(starts))):
+    for k in range(min(window, len(starts))):
         issue(k)
     for k, start in enumerate(starts):
         first, piece = pending.pop(0)
-        if k + WINDOW < len(starts):
-            issue(k + WINDOW)
+        if k + window < len(starts):
+            issue(k + window)
         stop = min(start + per, rows)
         host = np.asarray(piece).reshape(-1).view(np.uint8)
         dst[start * row_bytes : stop * row_bytes] = host[(start - first) * row_bytes : (stop - first) * row_bytes]
