@@ -51,6 +51,10 @@ JT, STOCK = "jaxtransport", "multiprocessing"
 CASES = ("Pool argument", "Pool result", "queue round", "Executor")
 STEPS = ("request", "production", "transfer", "worker", "transfer back", "receiver", "ack", "round")
 WARMUP = 3
+# Arrays each worker makes before the rounds where workers make them: a worker's heap grows to its
+# working set over its first few (Note [a warm heap in workers]); 2 each left one worker's
+# Executor rounds still taking fresh pages.
+WARM_EACH = 6
 WORKERS = 2
 
 
@@ -191,7 +195,7 @@ def _pool_result(pool, n: int, rounds: int) -> _Rounds:
     out = _Rounds()
     # Every worker makes the array a few times first (a worker's first arrays of a size take
     # fresh pages; the rounds measure the steady state).
-    pool.starmap(produce, [(n, 0.0)] * (2 * WORKERS), chunksize=1)
+    pool.starmap(produce, [(n, 0.0)] * (WARM_EACH * WORKERS), chunksize=1)
     for i in range(WARMUP + rounds):
         gc.collect()
         t0 = time.monotonic()
@@ -211,7 +215,7 @@ def _pool_result(pool, n: int, rounds: int) -> _Rounds:
 def _executor(ex, make, rounds: int) -> _Rounds:
     out = _Rounds()
     x, _ = make()
-    for _ in ex.map(add_one, [x] * (2 * WORKERS)):  # every worker makes one first (as _pool_result)
+    for _ in ex.map(add_one, [x] * (WARM_EACH * WORKERS)):  # every worker makes some first (as _pool_result)
         pass
     del x
     for i in range(WARMUP + rounds):
