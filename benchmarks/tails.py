@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import gc
 import math
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -51,6 +53,10 @@ JT, STOCK = "jaxtransport", "multiprocessing"
 CASES = ("Pool argument", "Pool result", "queue round", "Executor")
 STEPS = ("request", "production", "transfer", "worker", "transfer back", "receiver", "ack", "round")
 WARMUP = 3
+# Arrays each worker makes before the rounds where workers make them: a worker's heap grows to its
+# working set over its first few (Note [a warm heap in workers]); 2 each left one worker's
+# Executor rounds still taking fresh pages.
+WARM_EACH = 6
 WORKERS = 2
 
 
@@ -191,7 +197,7 @@ def _pool_result(pool, n: int, rounds: int) -> _Rounds:
     out = _Rounds()
     # Every worker makes the array a few times first (a worker's first arrays of a size take
     # fresh pages; the rounds measure the steady state).
-    pool.starmap(produce, [(n, 0.0)] * (2 * WORKERS), chunksize=1)
+    pool.starmap(produce, [(n, 0.0)] * (WARM_EACH * WORKERS), chunksize=1)
     for i in range(WARMUP + rounds):
         gc.collect()
         t0 = time.monotonic()
@@ -211,7 +217,7 @@ def _pool_result(pool, n: int, rounds: int) -> _Rounds:
 def _executor(ex, make, rounds: int) -> _Rounds:
     out = _Rounds()
     x, _ = make()
-    for _ in ex.map(add_one, [x] * (2 * WORKERS)):  # every worker makes one first (as _pool_result)
+    for _ in ex.map(add_one, [x] * (WARM_EACH * WORKERS)):  # every worker makes some first (as _pool_result)
         pass
     del x
     for i in range(WARMUP + rounds):
@@ -303,9 +309,6 @@ def run(quick: bool = False, size: int | None = None, rounds: int | None = None,
         cases: tuple[str, ...] = CASES, stock: bool = True) -> list[dict]:
     import jax
 
-    import jaxtransport as jt
-    import jaxtransport.multiprocessing as jmp
-
     accelerator = jax.default_backend() != "cpu"
     nbytes = size or (4 * MIB if quick else default_size())
     rounds = rounds or (20 if quick else (60 if accelerator else 100))
@@ -317,33 +320,61 @@ def run(quick: bool = False, size: int | None = None, rounds: int | None = None,
     transports = (JT, STOCK) if stock else (JT,)
     rows: list[dict] = []
     for transport in transports:
-        pool_cases = [c for c in cases if c in ("Pool argument", "Pool result")]
-        if pool_cases:  # one pool for both
-            pool = jt.Pool(WORKERS) if transport == JT else spawn.Pool(WORKERS)
-            try:
-                pool.map(warm, range(2 * WORKERS), chunksize=1)
-                for case in pool_cases:
-                    if case == "Pool argument":
-                        rows += _rows(case, transport, nbytes, _pool_argument(pool, make, rounds))
-                    else:
-                        rows += _rows(case, transport, nbytes, _pool_result(pool, n, rounds))
-                    gc.collect()
-            finally:
-                pool.close()
-                pool.join()
-        if "queue round" in cases:
-            rec = _queue(jmp.get_context("spawn") if transport == JT else spawn, make, rounds)
-            rows += _rows("queue round", transport, nbytes, rec)
-            gc.collect()
-        if "Executor" in cases:
-            stock_ex = concurrent.futures.ProcessPoolExecutor
-            ex = jt.Executor(WORKERS) if transport == JT else stock_ex(WORKERS, mp_context=spawn)
-            with ex:
-                list(ex.map(warm, range(2 * WORKERS)))
-                rows += _rows("Executor", transport, nbytes, _executor(ex, make, rounds))
-            gc.collect()
+        with _stock_children_on_cpu(accelerator and transport == STOCK):
+            rows += _run_transport(transport, cases, nbytes, n, rounds, make, spawn)
     order = {(c, t): i for i, (c, t) in enumerate((c, t) for c in CASES for t in (JT, STOCK))}
     rows.sort(key=lambda r: order[(r["name"], r["transport"])])  # stable: steps keep their order
+    return rows
+
+
+@contextlib.contextmanager
+def _stock_children_on_cpu(on: bool):
+    """With ``on``: stock children start with ``JAX_PLATFORMS=cpu`` (this process holds the
+    accelerator, which a second process cannot open; jaxtransport's workers get the same from
+    its device plan)."""
+    saved = os.environ.get("JAX_PLATFORMS")
+    if on:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        yield
+    finally:
+        if on:
+            if saved is None:
+                os.environ.pop("JAX_PLATFORMS", None)
+            else:
+                os.environ["JAX_PLATFORMS"] = saved
+
+
+def _run_transport(transport, cases, nbytes, n, rounds, make, spawn) -> list[dict]:
+    import jaxtransport as jt
+    import jaxtransport.multiprocessing as jmp
+
+    rows: list[dict] = []
+    pool_cases = [c for c in cases if c in ("Pool argument", "Pool result")]
+    if pool_cases:  # one pool for both
+        pool = jt.Pool(WORKERS) if transport == JT else spawn.Pool(WORKERS)
+        try:
+            pool.map(warm, range(2 * WORKERS), chunksize=1)
+            for case in pool_cases:
+                if case == "Pool argument":
+                    rows += _rows(case, transport, nbytes, _pool_argument(pool, make, rounds))
+                else:
+                    rows += _rows(case, transport, nbytes, _pool_result(pool, n, rounds))
+                gc.collect()
+        finally:
+            pool.close()
+            pool.join()
+    if "queue round" in cases:
+        rec = _queue(jmp.get_context("spawn") if transport == JT else spawn, make, rounds)
+        rows += _rows("queue round", transport, nbytes, rec)
+        gc.collect()
+    if "Executor" in cases:
+        stock_ex = concurrent.futures.ProcessPoolExecutor
+        ex = jt.Executor(WORKERS) if transport == JT else stock_ex(WORKERS, mp_context=spawn)
+        with ex:
+            list(ex.map(warm, range(2 * WORKERS)))
+            rows += _rows("Executor", transport, nbytes, _executor(ex, make, rounds))
+        gc.collect()
     return rows
 
 
