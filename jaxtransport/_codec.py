@@ -29,8 +29,11 @@ recycle memory must wait until the array (and anything derived from it) is gone.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -392,24 +395,90 @@ def _copy_in_pieces(
     take = _slicer(per, lanes, as_bits)
     starts = list(range(0, rows, per))
     window = max(MIN_WINDOW, WINDOW_BYTES // max(per * row_bytes, 1))
-    pending: list[tuple[int, Any]] = []
 
-    def issue(k: int) -> None:
+    def issue(k: int) -> tuple[int, Any, Any]:
         first = min(starts[k], rows - per)  # dynamic_slice keeps the piece inside: the last overlaps
         piece = take(b, first)
         piece.copy_to_host_async()
-        pending.append((first, piece))
+        return k, first, piece
 
-    for k in range(min(window, len(starts))):
-        issue(k)
-    for k, start in enumerate(starts):
-        first, piece = pending.pop(0)
-        if k + window < len(starts):
-            issue(k + window)
-        stop = min(start + per, rows)
+    def land(k: int, first: int, piece: Any) -> None:
+        start, stop = starts[k], min(starts[k] + per, rows)
         host = np.asarray(piece).reshape(-1).view(np.uint8)
         dst[start * row_bytes : stop * row_bytes] = host[(start - first) * row_bytes : (stop - first) * row_bytes]
-        del piece, host
+
+    pool = _copiers()
+    if pool is None:
+        pending = collections.deque(issue(k) for k in range(min(window, len(starts))))
+        for k in range(len(starts)):
+            done = pending.popleft()
+            if k + window < len(starts):
+                pending.append(issue(k + window))
+            land(*done)
+            del done
+        return
+    landing: collections.deque = collections.deque()
+    try:
+        for k in range(len(starts)):
+            if len(landing) >= window:
+                landing.popleft().result()
+            landing.append(pool.submit(land, *issue(k)))
+        while True:  # not `while <test>:` (Note [loops that end in a test])
+            if not landing:
+                break
+            landing.popleft().result()
+    finally:
+        _settle(landing)
+
+
+# Note [copies into a slot in threads]
+# The pieces of Note [device to host in chunks] travel side by side, so they arrive close
+# together, near the end of the whole transfer; copied into the destination one after another
+# on the caller's thread, the copies then ran after the transfer instead of beside it (256 MiB on
+# the v5e: 21.5-22.5 ms for the transfer, where jt.dumps, which copies nothing, took 22.5 ms;
+# the Pool's argument 43.6 ms, and 43.4 ms with every piece in flight). On a host with cores to
+# spare each piece is taken (``np.asarray``) and copied by one of COPY_THREADS threads
+# (numpy's copy releases the GIL), WINDOW_BYTES of pieces in flight. The caller returns only
+# when no copy into ``dst`` can still run, on an error or a KeyboardInterrupt too (``_settle``):
+# the slot may be handed to another message at once. The threads are made on first use, only in
+# a process that copies from an accelerator, and end with the interpreter.
+COPY_THREADS = min(8, (os.cpu_count() or 1) - 1)
+_copier_pool: Any = None
+_copier_lock = threading.Lock()
+
+
+def _copiers() -> Any:
+    """The threads that copy pieces into their destination, or None where there are too few
+    cores (Note [copies into a slot in threads])."""
+    global _copier_pool
+    if COPY_THREADS < 2:
+        return None
+    with _copier_lock:
+        if _copier_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _copier_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="jaxtransport-copy")
+        return _copier_pool
+
+
+def _settle(landing: collections.deque) -> None:
+    """Cancel the copies not started and wait for those running (Note [copies into a slot in
+    threads]); a KeyboardInterrupt meanwhile is raised once they are done."""
+    from concurrent.futures import wait
+
+    futures = list(landing)
+    landing.clear()
+    for f in futures:
+        f.cancel()
+    interrupted = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except KeyboardInterrupt as e:  # the copies still write into dst: wait them out
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 # Note [pickled in pieces]

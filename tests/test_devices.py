@@ -11,6 +11,8 @@ import math
 import logging
 import os
 import pickle
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -239,20 +241,61 @@ def test_a_worker_that_cannot_open_its_device_says_why():
             p.apply(_raise_busy)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("lanes", [256, 8, 6])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int16"])
 @pytest.mark.parametrize("shape", [(1000, 33), (7, 3, 5), (1,), (64, 64), (3000,), (500, 4)])
-def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape, lanes):
+def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape, lanes, threads):
     """The piecewise copy (forced here on CPU arrays, with tiny pieces): every row once, the last
     piece overlapping its neighbour, pieces reshaped to rows of ``lanes`` elements where their
-    size allows, any shape and dtype."""
+    size allows, any shape and dtype; copied on the caller's thread, or by copy threads with a
+    window of 4 pieces in flight (Note [copies into a slot in threads])."""
     monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
     monkeypatch.setattr(_codec, "CHUNK_BYTES", 96)
     monkeypatch.setattr(_codec, "LANES", lanes)
+    monkeypatch.setattr(_codec, "COPY_THREADS", threads)
+    monkeypatch.setattr(_codec, "WINDOW_BYTES", 0)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 255, shape).astype(dtype))
     dst = np.zeros(_codec.host_nbytes(x), np.uint8)
     _codec.copy_into(x, dst)
     assert dst.tobytes() == np.asarray(x).tobytes()
+
+
+def test_a_failed_piece_raises_only_after_every_copy_into_the_slot_ended(monkeypatch):
+    """A piece whose copy fails (here the third) raises in the caller, and only once no copy
+    thread can still write into the destination: its slot may go to another message at once
+    (Note [copies into a slot in threads])."""
+    monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
+    monkeypatch.setattr(_codec, "CHUNK_BYTES", 4000)
+    monkeypatch.setattr(_codec, "COPY_THREADS", 3)
+    monkeypatch.setattr(_codec, "WINDOW_BYTES", 1 << 20)
+    running, ended, calls = [0], [], [0]
+    lock = threading.Lock()
+    real = np.asarray
+
+    def slow_asarray(a, *args, **kwargs):
+        if isinstance(a, jax.Array):
+            with lock:
+                calls[0] += 1
+                running[0] += 1
+                mine = calls[0]
+            try:
+                time.sleep(0.05)
+                if mine == 3:
+                    raise RuntimeError("piece 3 failed")
+            finally:
+                with lock:
+                    running[0] -= 1
+                    ended.append(mine)
+        return real(a, *args, **kwargs)
+
+    x = jnp.arange(40_000, dtype=jnp.float32)
+    dst = np.zeros(_codec.host_nbytes(x), np.uint8)
+    monkeypatch.setattr(_codec.np, "asarray", slow_asarray)
+    with pytest.raises(RuntimeError, match="piece 3 failed"):
+        _codec.copy_into(x, dst)
+    assert running[0] == 0  # nothing still copying when the error reached the caller
+    assert len(ended) < 40_000 * 4 // 4000 + 1  # the pieces not started were cancelled
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int4"])
