@@ -32,8 +32,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import os
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -41,7 +39,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import numpy as np
 
-from . import _compat, _devices
+from . import _compat, _copies, _devices
 from ._errors import (
     ArrayDeletedError,
     CorruptTransferError,
@@ -231,10 +229,9 @@ def encode(x: Any, *, host: bool = True) -> tuple[ArrayMeta, list[Any]]:
 # to rows of LANES elements (the same bytes in the same order); they are started
 # with ``copy_to_host_async`` and each copied into the destination while the next ones travel.
 # WINDOW_BYTES of pieces are in flight (all of a 256 MiB array's 32): the chip's copies to the
-# host run side by side, and one at a time they do not. On the v5e, 256 MiB fetched as 64, 32
-# or 16 slices at once took 21.5-22.3 ms, as 8 slices 106 ms; with 4 pieces of 8 MiB in flight,
-# the Pool's argument took 43 ms (issue 49). The copies into the destination, at the host's
-# memcpy speed (20 GB/s there), keep pace with the pieces' arrival, so they hide behind it.
+# host run side by side. Because they do, the pieces arrive close together, and copied into the
+# destination one after another the copies ran after the transfer: where the host has cores to
+# spare, copy threads take and copy them (Note [copies into a slot in threads] in ``_copies``).
 # Measured on the chip for the six arrays above, in 8 MiB pieces: reshaped 6, 6, 6 and 41, 40,
 # 41 ms; not reshaped 7, 34, 6 and 42, 262, 40 ms (4 MiB pieces: a little slower; 16 MiB
 # pieces, not reshaped: 8, 69, 7 and 61, 303, 56 ms). Those runs reshaped the float32 pieces
@@ -349,7 +346,7 @@ def copy_into(b: Any, dst: np.ndarray) -> None:
     :func:`host_nbytes` bytes: one memcpy from the host, or a device-to-host transfer (Note
     [device to host in chunks])."""
     if isinstance(b, np.ndarray):
-        np.copyto(dst, b.reshape(-1).view(np.uint8))
+        _copies.copy_bytes(b.reshape(-1).view(np.uint8), dst)
         return
     nbytes = host_nbytes(b)
     rows = b.shape[0] if b.ndim else 0
@@ -407,7 +404,7 @@ def _copy_in_pieces(
         host = np.asarray(piece).reshape(-1).view(np.uint8)
         dst[start * row_bytes : stop * row_bytes] = host[(start - first) * row_bytes : (stop - first) * row_bytes]
 
-    pool = _copiers()
+    pool = _copies.copiers()
     if pool is None:
         pending = collections.deque(issue(k) for k in range(min(window, len(starts))))
         for k in range(len(starts)):
@@ -428,57 +425,7 @@ def _copy_in_pieces(
                 break
             landing.popleft().result()
     finally:
-        _settle(landing)
-
-
-# Note [copies into a slot in threads]
-# The pieces of Note [device to host in chunks] travel side by side, so they arrive close
-# together, near the end of the whole transfer; copied into the destination one after another
-# on the caller's thread, the copies then ran after the transfer instead of beside it (256 MiB on
-# the v5e: 21.5-22.5 ms for the transfer, where jt.dumps, which copies nothing, took 22.5 ms;
-# the Pool's argument 43.6 ms, and 43.4 ms with every piece in flight). On a host with cores to
-# spare each piece is taken (``np.asarray``) and copied by one of COPY_THREADS threads
-# (numpy's copy releases the GIL), WINDOW_BYTES of pieces in flight. The caller returns only
-# when no copy into ``dst`` can still run, on an error or a KeyboardInterrupt too (``_settle``):
-# the slot may be handed to another message at once. The threads are made on first use, only in
-# a process that copies from an accelerator, and end with the interpreter.
-COPY_THREADS = min(8, (os.cpu_count() or 1) - 1)
-_copier_pool: Any = None
-_copier_lock = threading.Lock()
-
-
-def _copiers() -> Any:
-    """The threads that copy pieces into their destination, or None where there are too few
-    cores (Note [copies into a slot in threads])."""
-    global _copier_pool
-    if COPY_THREADS < 2:
-        return None
-    with _copier_lock:
-        if _copier_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _copier_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="jaxtransport-copy")
-        return _copier_pool
-
-
-def _settle(landing: collections.deque) -> None:
-    """Cancel the copies not started and wait for those running (Note [copies into a slot in
-    threads]); a KeyboardInterrupt meanwhile is raised once they are done."""
-    from concurrent.futures import wait
-
-    futures = list(landing)
-    landing.clear()
-    for f in futures:
-        f.cancel()
-    interrupted = None
-    while True:
-        try:
-            wait(futures)
-            break
-        except KeyboardInterrupt as e:  # the copies still write into dst: wait them out
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
+        _copies.settle(landing)
 
 
 # Note [pickled in pieces]

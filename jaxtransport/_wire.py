@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _entries, _errors, _pickling, _usercode
+from . import _copies, _entries, _errors, _pickling, _usercode
 from ._errors import CorruptTransferError, ShmHandleError
 from ._nojax import jax_loaded
 from ._pickling import PICKLE_PROTOCOL
@@ -578,7 +578,7 @@ def commit(
                 handle, dst = arena.alloc(src.nbytes, borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
                 handle = Handle._make(handle)  # an adapter's arena may hand out plain tuples
-                np.copyto(dst, src.reshape(-1).view(np.uint8))
+                _copies.copy_bytes(src.reshape(-1).view(np.uint8), dst)
                 entries.append(("np", x.dtype, x.shape, tuple(handle)))
             else:
                 from . import _codec

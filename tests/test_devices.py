@@ -21,7 +21,7 @@ import pytest
 
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
-from jaxtransport import _codec, _devices, _procenv
+from jaxtransport import _codec, _copies, _devices, _procenv
 
 
 _hosts = itertools.count()
@@ -253,7 +253,7 @@ def test_device_to_host_in_pieces_is_bit_exact(monkeypatch, dtype, shape, lanes,
     monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
     monkeypatch.setattr(_codec, "CHUNK_BYTES", 96)
     monkeypatch.setattr(_codec, "LANES", lanes)
-    monkeypatch.setattr(_codec, "COPY_THREADS", threads)
+    monkeypatch.setattr(_copies, "COPY_THREADS", threads)
     monkeypatch.setattr(_codec, "WINDOW_BYTES", 0)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 255, shape).astype(dtype))
     dst = np.zeros(_codec.host_nbytes(x), np.uint8)
@@ -267,7 +267,7 @@ def test_a_failed_piece_raises_only_after_every_copy_into_the_slot_ended(monkeyp
     (Note [copies into a slot in threads])."""
     monkeypatch.setattr(_codec, "CHUNKED_MIN", 0)
     monkeypatch.setattr(_codec, "CHUNK_BYTES", 4000)
-    monkeypatch.setattr(_codec, "COPY_THREADS", 3)
+    monkeypatch.setattr(_copies, "COPY_THREADS", 3)
     monkeypatch.setattr(_codec, "WINDOW_BYTES", 1 << 20)
     running, ended, calls = [0], [], [0]
     lock = threading.Lock()
@@ -296,6 +296,53 @@ def test_a_failed_piece_raises_only_after_every_copy_into_the_slot_ended(monkeyp
         _codec.copy_into(x, dst)
     assert running[0] == 0  # nothing still copying when the error reached the caller
     assert len(ended) < 40_000 * 4 // 4000 + 1  # the pieces not started were cancelled
+
+
+@pytest.mark.parametrize("nbytes", [5 << 20, 32 << 20, (40 << 20) + 4093])
+def test_a_large_host_copy_in_ranges_side_by_side_is_bit_exact(monkeypatch, nbytes):
+    """A host copy of PARALLEL_MIN bytes and up goes in ranges copied by the copy threads and
+    the caller (Note [copies into a slot in threads]), any length; a smaller one in one piece."""
+    monkeypatch.setattr(_copies, "COPY_THREADS", 3)
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    ranges = []
+    real = np.copyto
+
+    def counted(d, s_, *args, **kwargs):
+        ranges.append(d.nbytes)
+        return real(d, s_, *args, **kwargs)
+
+    monkeypatch.setattr(_copies.np, "copyto", counted)
+    _copies.copy_bytes(src, dst)
+    monkeypatch.undo()
+    assert np.array_equal(src, dst)
+    assert sum(ranges) == nbytes
+    assert len(ranges) == (1 if nbytes < _copies.PARALLEL_MIN else 4), ranges
+
+
+def test_a_host_copy_that_fails_raises_once_no_range_is_still_copying(monkeypatch):
+    monkeypatch.setattr(_copies, "COPY_THREADS", 3)
+    running, lock = [0, 0], threading.Lock()
+    real = np.copyto
+
+    def slow(d, s_, *args, **kwargs):
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.05)
+            if d.nbytes and s_.ctypes.data == src.ctypes.data:
+                raise MemoryError("the first range failed")
+            return real(d, s_, *args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    src = np.ones(64 << 20, np.uint8)
+    dst = np.zeros_like(src)
+    monkeypatch.setattr(_copies.np, "copyto", slow)
+    with pytest.raises(MemoryError, match="first range"):
+        _copies.copy_bytes(src, dst)
+    assert running[0] == 0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int4"])
