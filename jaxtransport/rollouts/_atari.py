@@ -43,14 +43,19 @@ _INSTALL = (
 )
 
 
+ENGINES = ("gymnasium", "envpool")
+
+
 class Spec(NamedTuple):
-    """What an actor needs to build its environments: the gymnasium id (``ALE/Pong-v5``), how
-    many, their frame size, and the run's seed."""
+    """What an actor needs to build its environments: the game's id in its engine's registry
+    (gymnasium's ``ALE/Pong-v5``, envpool's ``Pong-v5``), how many, their frame size, the run's
+    seed, and the engine that steps them (:data:`ENGINES`)."""
 
     game_id: str
     envs: int
     frame_size: int
     seed: int
+    engine: str = "gymnasium"
 
 
 class Warm(NamedTuple):
@@ -97,29 +102,49 @@ def _gym():
     return gymnasium
 
 
-def available() -> str | None:
-    """``None`` when the Atari environments can run here, else why not (for a skip reason)."""
+def _other(engine: str):
+    """The module of an engine other than gymnasium (``_envpool``), None for gymnasium;
+    ValueError naming the flag for an unknown one."""
+    if engine == "gymnasium":
+        return None
+    if engine == "envpool":
+        from . import _envpool
+
+        return _envpool
+    raise ValueError(f"--engine must be one of {ENGINES}, got {engine!r}")
+
+
+def available(engine: str = "gymnasium") -> str | None:
+    """``None`` when ``engine``'s Atari environments can run here, else why not (for a skip
+    reason)."""
     try:
-        _gym()
+        require(engine)
     except ImportError as exc:
         return str(exc)
     return None
 
 
-def require() -> None:
-    """Raise ImportError, saying what to install, unless the ``atari`` extra is installed."""
-    _gym()
+def require(engine: str = "gymnasium") -> None:
+    """Raise ImportError, saying what to install, unless ``engine``'s extra is installed."""
+    other = _other(engine)
+    if other is not None:
+        other.require()
+    else:
+        _gym()
 
 
-def game_id(name: str) -> str:
-    """The gymnasium id of an ALE game given as ``pong``, ``space_invaders``, ``SpaceInvaders``
-    or ``ALE/Pong-v5``; ValueError naming the flag when there is no such game."""
+def game_id(name: str, engine: str = "gymnasium") -> str:
+    """The id in ``engine``'s registry of an ALE game given as ``pong``, ``space_invaders``,
+    ``SpaceInvaders`` or ``ALE/Pong-v5`` (gymnasium's: ``ALE/Pong-v5``); ValueError naming the
+    flag when there is no such game."""
+    other = _other(engine)
+    if other is not None:
+        return other.game_id(name)
     gym = _gym()
     if "/" in name:
         gid = name
     else:
-        camel = "".join(part[:1].upper() + part[1:] for part in name.replace("-", "_").split("_"))
-        gid = f"ALE/{camel}-v5"
+        gid = f"ALE/{camel_case(name)}-v5"
     if gid not in gym.registry:
         games = sum(1 for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5"))
         raise ValueError(
@@ -130,8 +155,16 @@ def game_id(name: str) -> str:
     return gid
 
 
-def num_actions(gid: str) -> int:
-    """The size of the game's action set (the minimal one, as gymnasium's ALE envs use)."""
+def camel_case(name: str) -> str:
+    """``space_invaders`` -> ``SpaceInvaders`` (the games' names in both registries)."""
+    return "".join(part[:1].upper() + part[1:] for part in name.replace("-", "_").split("_"))
+
+
+def num_actions(gid: str, engine: str = "gymnasium") -> int:
+    """The size of the game's action set (the minimal one, as both engines use by default)."""
+    other = _other(engine)
+    if other is not None:
+        return other.num_actions(gid)
     gym = _gym()
     env = gym.make(gid)
     try:
@@ -149,24 +182,32 @@ def _make_one(gid: str, frame_size: int):
     return FrameStackObservation(env, STACK)
 
 
-class Actor:
-    """One actor's environments (see the module docstring). ``index`` tells actors apart: it
-    picks the environments' seeds. Costs ~10 MiB of memory per environment (the emulator)."""
+def env_seed(spec: Spec, index: int) -> int:
+    """The seed of actor ``index``'s first environment (the others: the next ones): distinct
+    seeds for every environment of every actor of the run, the same in both engines."""
+    return (spec.seed * 100_003 + index * spec.envs) % (1 << 31)
 
-    def __init__(self, spec: Spec, index: int):
-        gym = _gym()
-        self.spec, self.index = spec, index
-        self._envs = gym.vector.SyncVectorEnv(
-            [lambda: _make_one(spec.game_id, spec.frame_size)] * spec.envs,
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        )
-        # Distinct seeds for every environment of every actor of the run.
-        seed = (spec.seed * 100_003 + index * spec.envs) % (1 << 31)
-        self._obs, _ = self._envs.reset(seed=seed)
-        self._ep_return = np.zeros(spec.envs, np.float32)
+
+class Rollouts:
+    """What an actor does with its environments, whichever engine steps them: a subclass
+    builds them, sets ``spec``, ``index``, ``actions`` (the action set's size), ``_obs`` (the
+    batch's current observations, ``(E, STACK, S, S)`` uint8) and ``_ep_return``, and
+    implements :meth:`_step` (one step of every environment, auto-resetting) and
+    :meth:`close`."""
+
+    spec: Spec
+    index: int
+    actions: int
+    _obs: np.ndarray
+    _ep_return: np.ndarray
+
+    def _step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(obs, reward, terminated, truncated)`` after one step of every environment with
+        ``actions`` (environment order)."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        self._envs.close()
+        raise NotImplementedError
 
     def rollout(self, params, key, steps: int):
         """``steps`` steps of every environment with the policy ``params``, actions sampled
@@ -202,7 +243,7 @@ class Actor:
             actions[t] = np.asarray(a)
             logp[t] = np.asarray(lp)
             act_s += time.perf_counter() - a0
-            obs, reward, terminated, truncated, _ = self._envs.step(actions[t])
+            obs, reward, terminated, truncated = self._step(actions[t])
             rewards[t] = reward
             failures[t] = terminated
             dones[t] = done = terminated | truncated
@@ -226,18 +267,64 @@ class Actor:
         jax.block_until_ready((traj, carry))
         return traj, carry, time.perf_counter() - start, act_s
 
+    def random_steps(self, steps: int, seed: int = 0) -> float:
+        """Step every environment ``steps`` times with uniformly random actions, keeping the
+        observations as a rollout does, with no policy: the engine's stepping alone (the
+        limit rows of ``benchmarks/rollouts_atari.py``). Returns the seconds it took. The
+        episodes' returns are not kept: a rollout after this one reports them from 0."""
+        rng = np.random.default_rng((seed, self.index))
+        acts = rng.integers(0, self.actions, (steps, self.spec.envs), dtype=np.int32)
+        frames = np.empty((steps, *self._obs.shape), np.uint8)
+        start = time.perf_counter()
+        for t in range(steps):
+            frames[t] = self._obs
+            self._obs = self._step(acts[t])[0]
+        elapsed = time.perf_counter() - start
+        self._ep_return[:] = 0.0
+        return elapsed
+
+
+class Actor(Rollouts):
+    """One actor's environments through gymnasium (see the module docstring). ``index`` tells
+    actors apart: it picks the environments' seeds. Costs ~10 MiB of memory per environment
+    (the emulator)."""
+
+    def __init__(self, spec: Spec, index: int):
+        gym = _gym()
+        self.spec, self.index = spec, index
+        self._envs = gym.vector.SyncVectorEnv(
+            [lambda: _make_one(spec.game_id, spec.frame_size)] * spec.envs,
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+        self.actions = int(self._envs.single_action_space.n)
+        self._obs, _ = self._envs.reset(seed=env_seed(spec, index))
+        self._ep_return = np.zeros(spec.envs, np.float32)
+
+    def close(self) -> None:
+        self._envs.close()
+
+    def _step(self, actions):
+        obs, reward, terminated, truncated, _ = self._envs.step(actions)
+        return obs, reward, terminated, truncated
+
+
+def make_actor(spec: Spec, index: int) -> Rollouts:
+    """Actor ``index``'s environments, stepped by ``spec.engine``."""
+    other = _other(spec.engine)
+    return Actor(spec, index) if other is None else other.Actor(spec, index)
+
 
 # The actors of this process, by (spec, slot): a streaming or Ray actor process holds one; a
 # Pool worker holds one per slot of the run (tasks are not pinned to processes: which copy of a
 # slot steps next varies, so a Pool run is not repeatable bit for bit; the others are).
-_ACTORS: dict[tuple[Spec, int], Actor] = {}
+_ACTORS: dict[tuple[Spec, int], Rollouts] = {}
 
 
-def actor(spec: Spec, slot: int) -> Actor:
+def actor(spec: Spec, slot: int) -> Rollouts:
     """This process's actor for ``slot`` of the run ``spec``, built on first use."""
     a = _ACTORS.get((spec, slot))
     if a is None:
-        a = _ACTORS[(spec, slot)] = Actor(spec, slot)
+        a = _ACTORS[(spec, slot)] = make_actor(spec, slot)
     return a
 
 

@@ -504,7 +504,7 @@ def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shap
         # This loop's own environments (not the process's registry, which a Pool worker
         # shares between tasks): a run in a thread starts from its seed whatever ran before
         # in this process, and closes them when it ends.
-        envs_of_actor = atari.Actor(warm.spec, index)
+        envs_of_actor = atari.make_actor(warm.spec, index)
         try:
             atari.compile_act(warm)
             _stream(

@@ -17,7 +17,7 @@ class Config:
     """Everything a run depends on. Defaults: ~1 minute on 2 cores, pixel-heavy trajectories
     (16 envs x 128 steps x 84x84 frames = 14 MiB per worker per iteration), 32 MiB of
     parameters broadcast per iteration. ``env``: ``"cartpole"`` (in ``jax.numpy``) or an ALE
-    game (``"pong"``; the ``atari`` extra), whose defaults are :data:`ATARI_DEFAULTS` when
+    game (``"pong"``; stepped by gymnasium, the ``atari`` extra, or by envpool: ``engine``), whose defaults are :data:`ATARI_DEFAULTS` when
     made with :meth:`for_env`. ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None:
     automatic, 0: none)."""
 
@@ -40,6 +40,7 @@ class Config:
     task_timeout: float = 600.0
     max_lag: int = 1
     cpus_per_actor: int | None = None
+    engine: str = "gymnasium"  # what steps an Atari game's environments (_atari.ENGINES)
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -61,6 +62,10 @@ class Config:
             raise ValueError(f"--backend must be one of {backends.BACKENDS}, got {self.backend!r}")
         if self.address is not None and self.backend != "ray":
             raise ValueError("--address names a Ray cluster: use it with --backend ray")
+        if self.engine not in ("gymnasium", "envpool"):
+            raise ValueError(f"--engine must be gymnasium or envpool, got {self.engine!r}")
+        if self.engine != "gymnasium" and not self.atari:
+            raise ValueError(f"--engine {self.engine} steps Atari games: use it with --env pong (or another ALE game)")
         if self.atari:
             from . import _conv as conv
 

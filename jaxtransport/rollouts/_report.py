@@ -188,6 +188,8 @@ def summary_table(runs: Sequence[RunResult]) -> str:
     steps = cfg.workers * cfg.envs * cfg.steps
     timed = len(runs[0].timed)
     env = cfg.env if getattr(cfg, "atari", False) else "CartPole"
+    if getattr(cfg, "engine", "gymnasium") != "gymnasium":
+        env = f"{env} through {cfg.engine}"
     frames = (
         f"{cfg.frame_size}x{cfg.frame_size} uint8 frames, 4 stacked"
         if getattr(cfg, "atari", False)
