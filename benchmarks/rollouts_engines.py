@@ -109,8 +109,11 @@ def stepping_limit(engine: str, actors: int, steps: int) -> float:
     from jaxtransport.rollouts import _backends as backends
     from jaxtransport.rollouts import _cpus
 
+    import jax
+
     budget = _cpus.plan(actors, None, _cpus.available()).for_backend("queue")
-    env = backends.worker_env(actors, budget)
+    # As the queue's actors: on the CPU when this process (the learner's) has an accelerator.
+    env = backends.worker_env(actors, budget, learner_platform=jax.devices()[0].platform)
     per_actor = budget.actor_cpus if budget.on else [None] * actors
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(actors), ctx.Queue()

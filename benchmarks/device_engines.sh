@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the accelerator host (no network), from the repository root: Pong through envpool at 1, 2,
+# 4, 8 and 12 actors, learner on the chip (benchmarks/rollouts_engines.py), results in $OUT.
+# Needs the stripped bundle .wheels-atari/ (python -m benchmarks.atari_bundle build WHEELS, on a
+# machine with network; carried with the tree). The gymnasium engine needs ale-py and OpenCV
+# (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
+#   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the folder the results go to}
+ACTORS=${ACTORS:-1,2,4,8,12}
+ITERATIONS=${ITERATIONS:-30}
+site=$(mktemp -d "${TMPDIR:-/tmp}/jaxtransport-atari.XXXXXX")
+trap 'rm -rf "$site"' EXIT
+python -m benchmarks.atari_bundle install "$site"
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+python -c 'import jax; print("learner device:", jax.devices()[0])'
+python -m benchmarks.atari_bundle check
+engines="--engine envpool"
+if python -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
+python -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
+  2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/rollouts_engines.log"
