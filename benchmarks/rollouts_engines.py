@@ -185,7 +185,7 @@ def run(quick: bool = False, actors: list[int] | None = None, iterations: int | 
         return []
     actors = actors or [1, 2]
     iterations = iterations or (5 if quick else 12)
-    limit_steps = limit_steps or (100 if quick else 300)
+    limit_steps = limit_steps or (100 if quick else 600)
     rows: list[dict] = []
     for n in actors:
         for engine in engines:
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="actor counts, comma-separated (default 1,2)")
     p.add_argument("--iterations", type=int, help="iterations per run (default 12, quick 5); the first 2 untimed")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
-    p.add_argument("--limit-steps", type=int, help="steps per actor of the limit rows (default 300, quick 100)")
+    p.add_argument("--limit-steps", type=int, help="steps per actor of the limit rows (default 600, quick 100)")
     p.add_argument("--out", help="write rollouts_engines.{json,md,png} to this folder, as `python -m benchmarks` "
                    "does (benchmarks/results: the published results)")
     args = p.parse_args(argv)
