@@ -129,7 +129,8 @@ def test_envpool_actor_trajectory_layout_and_repeatability():
 
 
 def _tiny(backend: str, **kw) -> rollouts.Config:
-    return rollouts.Config.for_env("pong", engine="envpool", backend=backend, workers=2, envs=2, steps=12,
+    kw = {"workers": 2, **kw}
+    return rollouts.Config.for_env("pong", engine="envpool", backend=backend, envs=2, steps=12,
                                    iterations=2, frame_size=36, hidden=16, warmup=0, **kw)
 
 
@@ -146,21 +147,30 @@ def test_cleanba_stack_threads_over_envpool_runs_and_repeats():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["queue", "pool"])
-def test_envpool_engine_through_jaxtransport_backends(backend):
-    """The envpool engine in actor processes through jaxtransport.multiprocessing and
-    jaxtransport.Pool, through the public command line: the trajectories arrive, the learner
-    updates, the report names the engine."""
+def test_envpool_engine_through_jaxtransport_queue_on_the_command_line():
+    """The envpool engine in actor processes through jaxtransport.multiprocessing, through the
+    public command line: the trajectories arrive, the learner updates, the report names the
+    engine."""
     _envpool()
     environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    args = ["--env", "pong", "--engine", "envpool", "--backend", backend, "--workers", "2", "--iterations", "2",
+    args = ["--env", "pong", "--engine", "envpool", "--backend", "queue", "--workers", "2", "--iterations", "2",
             "--envs", "2", "--steps", "12", "--warmup", "0", "--frame-size", "36", "--hidden", "16"]
     proc = subprocess.run([sys.executable, "-m", "jaxtransport.rollouts", *args], env=environ,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"## Rollouts: pong through envpool, {backend} backend, 2 workers" in proc.stdout, proc.stdout
+    assert "## Rollouts: pong through envpool, queue backend, 2 workers" in proc.stdout, proc.stdout
     assert "Pong-v5 through envpool (6 actions)" in proc.stdout, proc.stdout
-    assert f"| {backend}/jaxtransport |" in proc.stdout, proc.stdout
+    assert "| queue/jaxtransport |" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_envpool_engine_through_jaxtransport_pool():
+    """The envpool engine in a jaxtransport.Pool worker (the public API): each iteration's
+    trajectory comes back with the steps asked for."""
+    _envpool()
+    res = rollouts.train(_tiny("pool", workers=1), "jaxtransport", out=io.StringIO(), err=io.StringIO())
+    assert [it.env_steps for it in res.iterations] == [2 * 12] * 2
+    assert all(it.act_s > 0 and it.bytes_moved > 2 * 12 * atari.STACK * 36 * 36 for it in res.iterations)
 
 
 def test_stepping_limit_and_targets():
