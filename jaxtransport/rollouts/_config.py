@@ -17,9 +17,9 @@ class Config:
     """Everything a run depends on. Defaults: ~1 minute on 2 cores, pixel-heavy trajectories
     (16 envs x 128 steps x 84x84 frames = 14 MiB per worker per iteration), 32 MiB of
     parameters broadcast per iteration. ``env``: ``"cartpole"`` (in ``jax.numpy``) or an ALE
-    game (``"pong"``; stepped by gymnasium, the ``atari`` extra, or by envpool: ``engine``), whose defaults are :data:`ATARI_DEFAULTS` when
-    made with :meth:`for_env`. ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None:
-    automatic, 0: none)."""
+    game (``"pong"``; stepped by gymnasium, the ``atari`` extra, or by envpool: ``engine``),
+    whose defaults are :data:`ATARI_DEFAULTS` when made with :meth:`for_env`.
+    ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None: automatic, 0: none)."""
 
     backend: str = "pool"
     env: str = "cartpole"
