@@ -21,9 +21,10 @@ Each row gives env steps/s (the median iteration), its share of its engine's lim
 slowest actor's split of an iteration's wall time into acting (the policy's forward pass and
 sampling), stepping (the rest of its rollout: the engine and the trajectory's bookkeeping) and
 waiting (the rest: for parameters, for the learner, for the queue), the learner's update time,
-and whether learning progresses: the mean return of the episodes that ended in the last third
-of the iterations against the first third (the same loop for every row; Pong needs many
-iterations to move, see ``--iterations``). The streaming backends run with ``--max-lag 1``.
+and whether learning progresses: the mean return of the episodes that ended in the later half
+of the iterations in which any ended, against the earlier half (the same loop for every row; a
+Pong episode lasts about a thousand steps and its return moves only after far more iterations
+than a throughput run has: ``learns`` is then noise, or "too few episodes"). The streaming backends run with ``--max-lag 1``.
 
 Targets (issue 50), at the most actors measured (12 on the accelerator host): jaxtransport's
 best row >= 1.5x threads over envpool, and >= 80% of envpool's stepping limit.
@@ -132,13 +133,16 @@ def stepping_limit(engine: str, actors: int, steps: int) -> float:
     return actors * cfg.envs * steps / max(seconds)
 
 
-def _returns(res, part: slice) -> tuple[float | None, int]:
-    """Mean return of the episodes that ended in the iterations ``part`` (None: none ended),
-    and how many ended."""
-    its = res.iterations[part]
-    n = sum(it.episodes for it in its)
-    total = sum(it.mean_return * it.episodes for it in its)
-    return (total / n if n else None), n
+def _returns(res) -> tuple[float | None, float | None, str]:
+    """The mean return of the episodes that ended in the earlier half of the iterations in
+    which any ended, of those in the later half (None: none), and how many ended in each."""
+    its = [it for it in res.iterations if it.episodes]
+    halves = (its[: len(its) // 2], its[len(its) // 2 :])
+    means = []
+    for half in halves:
+        n = sum(it.episodes for it in half)
+        means.append(sum(it.mean_return * it.episodes for it in half) / n if n else None)
+    return means[0], means[1], "/".join(str(sum(it.episodes for it in h)) for h in halves)
 
 
 def _row(engine: str, backend: str, transport: str, res, actors: int) -> dict:
@@ -151,9 +155,7 @@ def _row(engine: str, backend: str, transport: str, res, actors: int) -> dict:
     compute = sum(it.compute_s for it in timed)
     act = sum(it.act_s or 0.0 for it in timed)
     total = max(wall, compute)
-    third = max(len(res.iterations) // 3, 1)
-    first, n_first = _returns(res, slice(0, third))
-    last, n_last = _returns(res, slice(len(res.iterations) - third, None))
+    early, late, episodes = _returns(res)
     return {
         "name": f"rollouts-engines-{GAME}",
         "size_bytes": int(statistics.median(it.bytes_moved for it in timed)),
@@ -169,10 +171,10 @@ def _row(engine: str, backend: str, transport: str, res, actors: int) -> dict:
         "act_ms_per_step": 1e3 * act / (len(timed) * res.config.steps),
         "learner_s": statistics.median(it.learner_s for it in timed),
         "iterations": len(res.iterations),
-        "return_first_third": first,
-        "return_last_third": last,
-        "episodes_first_last": f"{n_first}/{n_last}",
-        "learns": (last > first) if first is not None and last is not None else "too few episodes",
+        "return_early": early,
+        "return_late": late,
+        "episodes_early_late": episodes,
+        "learns": (late > early) if early is not None and late is not None else "too few episodes",
     }
 
 
@@ -234,8 +236,8 @@ def _print(r: dict) -> None:
     if "acting_share" in r:
         split = (f"  acting/stepping/waiting {100 * r['acting_share']:3.0f}/{100 * r['stepping_share']:3.0f}/"
                  f"{100 * r['waiting_share']:3.0f}%  learner {r['learner_s']:.3f}s  return "
-                 f"{_num(r['return_first_third'])} -> {_num(r['return_last_third'])} "
-                 f"({r['episodes_first_last']} episodes)")
+                 f"{_num(r['return_early'])} -> {_num(r['return_late'])} "
+                 f"({r['episodes_early_late']} episodes)")
     print(f"  {r['transport']:28s} {r['actors']:2d} actors {r['env_steps_per_s']:8,.0f} env steps/s  "
           f"{100 * r['limit_share']:3.0f}% of limit" + split, flush=True)
 
@@ -268,6 +270,32 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def merge(folders: list[str], out: str) -> list[dict]:
+    """Write ``out``'s results from several runs' ``rollouts_engines.json`` (each actor count's
+    rows are self-contained: ratios and shares are within it), with the first run's environment
+    and conditions before, the last's after, and their seconds summed."""
+    import json
+
+    from benchmarks import run as runner
+
+    runs = []
+    for folder in folders:
+        with open(os.path.join(folder, "rollouts_engines.json")) as f:
+            runs.append(json.load(f))
+    rows = [r for data in runs for r in data["rows"]]
+    counts = [r["actors"] for r in rows if r["backend"] == "limit"]
+    if len(counts) != len(set(zip(counts, [r["engine"] for r in rows if r["backend"] == "limit"]))):
+        raise SystemExit("the runs measured the same actor count and engine more than once: merge distinct runs")
+    cond = [data.get("conditions", {}) for data in runs]
+    runner.write_outputs("rollouts_engines", sys.modules[__name__], rows, out,
+                         sum(data.get("seconds", 0.0) for data in runs), any(data.get("quick") for data in runs),
+                         info=runs[0].get("environment"), generated=runs[-1].get("generated"),
+                         before={"loadavg": cond[0].get("loadavg_before"), "memcpy_gbps": cond[0].get("memcpy_gbps"),
+                                 "usable_cores": cond[0].get("usable_cores")},
+                         after={"loadavg": cond[-1].get("loadavg_after")})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="5 iterations, 100 limit steps")
@@ -276,9 +304,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--iterations", type=int, help="iterations per run (default 12, quick 5); the first 2 untimed")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
     p.add_argument("--limit-steps", type=int, help="steps per actor of the limit rows (default 600, quick 100)")
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="measure nothing: write --out from the rollouts_engines.json of these folders (runs of "
+                   "other actor counts, e.g. one device command each), their rows together")
     p.add_argument("--out", help="write rollouts_engines.{json,md,png} to this folder, as `python -m benchmarks` "
                    "does (benchmarks/results: the published results)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out or ".")
     if args.out:
         from benchmarks import run as runner
 

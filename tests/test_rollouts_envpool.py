@@ -2,7 +2,8 @@
 over envpool), at small sizes.
 
 Needs the ``envpool`` extra; the comparisons with the gymnasium engine also need the ``atari``
-extra. Every test here skips, saying why, where one is missing (except the missing-extra
+extra. (The actor's trajectory layout and repeatability, for either engine:
+``tests/test_rollouts_atari.py``.) Every test here skips, saying why, where one is missing (except the missing-extra
 message itself, which needs neither).
 """
 
@@ -13,14 +14,11 @@ import os
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxtransport import rollouts
 from jaxtransport.rollouts import _atari as atari
-from jaxtransport.rollouts import _conv as conv
 
 from .conftest import ROOT
 
@@ -29,7 +27,9 @@ requires_gymnasium = pytest.mark.skipif(_NO_GYM is not None, reason=f"the atari 
 
 
 def _envpool():
-    return pytest.importorskip("envpool", reason="the envpool extra is not installed (pip install 'jaxtransport[envpool]')")
+    return pytest.importorskip(
+        "envpool", reason="the envpool extra is not installed (pip install 'jaxtransport[envpool]')"
+    )
 
 
 def _spec(engine: str, envs: int = 3, frame_size: int = 36, seed: int = 0) -> atari.Spec:
@@ -95,37 +95,6 @@ def test_envpool_engine_observes_and_acts_as_the_gymnasium_engine():
     assert (config.frame_skip, config.noop_max, config.stack_num) == (atari.FRAME_SKIP, atari.NOOP_MAX, atari.STACK)
     assert not config.use_fire_reset and not config.episodic_life and not config.reward_clip
     assert config.num_threads == ep.THREADS == 1
-
-
-def test_envpool_actor_trajectory_layout_and_repeatability():
-    """The shared rollout loop over envpool: stacked frames (each step's stack the previous one
-    shifted by a frame), the acting policy's log-probabilities, and the same actor index,
-    parameters and key give the same trajectory bit for bit; another index other environments."""
-    _envpool()
-    spec = _spec("envpool")
-    params = conv.init(jax.random.key(0), atari.num_actions(spec.game_id, "envpool"), 16, atari.STACK, 36)
-
-    def run(index):
-        a = atari.make_actor(spec, index)
-        try:
-            return a.rollout(params, jax.random.key(1), 20)
-        finally:
-            a.close()
-
-    traj, carry, compute, act = run(0)
-    assert traj.frames.shape == (20, 3, atari.STACK, 36, 36) and traj.frames.dtype == jnp.uint8
-    for name in ("actions", "logp", "rewards", "dones", "failures"):
-        assert getattr(traj, name).shape == (20, 3), name
-    assert carry.ep_return.shape == (3,) and 0 < act < compute
-    f = np.asarray(traj.frames)
-    assert f.any()
-    np.testing.assert_array_equal(f[1:, :, :-1], f[:-1, :, 1:])  # no episode ends in 20 steps
-    logits = conv.apply(params, traj.frames.reshape((-1, atari.STACK, 36, 36)))
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits), traj.actions.reshape(-1, 1), 1)[:, 0]
-    np.testing.assert_allclose(traj.logp.reshape(-1), want, rtol=1e-5, atol=1e-5)
-    for x, y in zip(jax.tree.leaves(traj), jax.tree.leaves(run(0)[0])):
-        np.testing.assert_array_equal(x, y)
-    assert not np.array_equal(run(1)[0].frames, traj.frames)
 
 
 def _tiny(backend: str, **kw) -> rollouts.Config:
