@@ -4,7 +4,9 @@
 # Needs the stripped bundle .wheels-atari/ (python -m benchmarks.atari_bundle build WHEELS, on a
 # machine with network; carried with the tree). The gymnasium engine needs ale-py and OpenCV
 # (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
-#   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller
+#   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller (one command: at most 10 minutes)
+# Runs of other actor counts merge into one results file afterwards:
+#   python -m benchmarks.rollouts_engines --merge DIR1 DIR2 --name rollouts_engines_tpu --out benchmarks/results
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -20,4 +22,5 @@ python -m benchmarks.atari_bundle check
 engines="--engine envpool"
 if python -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
 python -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
-  2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/rollouts_engines.log"
+  --name "${NAME:-rollouts_engines}" \
+  2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_engines}.log"

@@ -13,6 +13,10 @@ stepped with send/recv, the GIL released), on:
 - ``queue/jaxtransport``, ``pool/jaxtransport``: actor processes (acting on their own CPUs)
   through ``jaxtransport.multiprocessing`` and ``jaxtransport.Pool``;
 - ``queue/stock``: the same actor processes through ``multiprocessing.Queue``;
+- ``queue/jaxtransport+central-inference``: the queue's actor processes, acting through the
+  learner's process (``--inference learner``, SEED RL's design): each step's observations go to
+  it through ``jaxtransport.multiprocessing``, which runs the policy on its device for every
+  actor waiting, and the actions come back; the acting share is then the round trips;
 - ``limit``: the engine's stepping limit: the same number of actor processes, pinned to the
   cores the queue backend's actors get, each stepping its environments with random actions
   (no policy, no learner, nothing sent), all at once.
@@ -59,6 +63,8 @@ LABELS = {
     "envpool pool/jaxtransport": "envpool, jaxtransport.Pool",
     "gymnasium pool/jaxtransport": "gymnasium, jaxtransport.Pool",
     "envpool queue/stock": "envpool, actor processes + multiprocessing.Queue",
+    "envpool queue/jaxtransport+central-inference": "envpool, actor processes, acting in the learner's process",
+    "gymnasium queue/jaxtransport+central-inference": "gymnasium, actor processes, acting in the learner's process",
     "gymnasium queue/stock": "gymnasium, actor processes + multiprocessing.Queue",
     "envpool limit": "envpool's stepping limit (random actions, no policy)",
     "gymnasium limit": "gymnasium's stepping limit (random actions, no policy)",
@@ -67,13 +73,20 @@ PLOT_TITLES = {"rollouts-engines-pong": "ALE Pong by engine, 8 envs x 64 steps p
 
 GAME = "pong"
 ENGINES = ("gymnasium", "envpool")
-RUNS = (("threads", "none"), ("queue", "jaxtransport"), ("pool", "jaxtransport"), ("queue", "stock"))
+# (backend, transport, inference): "learner" is --inference learner (SEED RL's central inference).
+RUNS = (("threads", "none", "actor"), ("queue", "jaxtransport", "actor"), ("pool", "jaxtransport", "actor"),
+        ("queue", "stock", "actor"), ("queue", "jaxtransport", "learner"))
 TARGET_VS_THREADS = 1.5
 TARGET_OF_LIMIT = 0.8
 
 
-def _key(engine: str, backend: str, transport: str = "none") -> str:
-    return f"{engine} {backend if backend in ('threads', 'limit') else f'{backend}/{transport}'}"
+def _backend(backend: str, transport: str = "none", inference: str = "actor") -> str:
+    name = backend if backend in ("threads", "limit") else f"{backend}/{transport}"
+    return f"{name}+central-inference" if inference == "learner" else name
+
+
+def _key(engine: str, backend: str, transport: str = "none", inference: str = "actor") -> str:
+    return f"{engine} {_backend(backend, transport, inference)}"
 
 
 def _load() -> float:
@@ -145,7 +158,7 @@ def _returns(res) -> tuple[float | None, float | None, str]:
     return means[0], means[1], "/".join(str(sum(it.episodes for it in h)) for h in halves)
 
 
-def _row(engine: str, backend: str, transport: str, res, actors: int) -> dict:
+def _row(engine: str, backend: str, transport: str, inference: str, res, actors: int) -> dict:
     """A training run's row. The split is the slowest actor's, summed over the timed
     iterations, of its time: its rollouts (acting, then stepping: the rest of the rollout) and
     the rest of the wall time (waiting). Streaming actors roll out while the learner updates,
@@ -159,10 +172,10 @@ def _row(engine: str, backend: str, transport: str, res, actors: int) -> dict:
     return {
         "name": f"rollouts-engines-{GAME}",
         "size_bytes": int(statistics.median(it.bytes_moved for it in timed)),
-        "transport": _key(engine, backend, transport),
+        "transport": _key(engine, backend, transport, inference),
         "seconds": statistics.median(it.wall_s for it in timed),
         "engine": engine,
-        "backend": backend if backend == "threads" else f"{backend}/{transport}",
+        "backend": _backend(backend, transport, inference),
         "actors": actors,
         "env_steps_per_s": timed[0].env_steps / statistics.median(it.wall_s for it in timed),
         "acting_share": act / total,
@@ -195,14 +208,14 @@ def run(quick: bool = False, actors: list[int] | None = None, iterations: int | 
             loads = [_load()]
             print(f"# rollouts-engines: {engine} limit, {n} actors (load {loads[0]:.1f})", flush=True)
             limit = stepping_limit(engine, n, limit_steps)
-            for backend, transport in runs:
-                cfg = demo.Config.for_env(GAME, backend=backend, workers=n, engine=engine,
+            for backend, transport, inference in runs:
+                cfg = demo.Config.for_env(GAME, backend=backend, workers=n, engine=engine, inference=inference,
                                           iterations=iterations, warmup=2)
-                print(f"# rollouts-engines: {_key(engine, backend, transport)}, {n} actors, "
+                print(f"# rollouts-engines: {_key(engine, backend, transport, inference)}, {n} actors, "
                       f"{iterations} iterations (load {_load():.1f})", flush=True)
                 loads.append(_load())
                 res = demo.train(cfg, transport, out=io.StringIO(), err=io.StringIO())
-                out.append(_row(engine, backend, transport, res, n))
+                out.append(_row(engine, backend, transport, inference, res, n))
             load = f"{min(loads):.1f}-{max(loads):.1f}"
             cfg = demo.Config.for_env(GAME)
             out.append({"name": f"rollouts-engines-{GAME}", "size_bytes": 0,
@@ -252,7 +265,7 @@ def check_targets(rows: list[dict]) -> list[str]:
     n = max(r["actors"] for r in rows)
     at = {r["transport"]: r for r in rows if r["actors"] == n}
     cleanba, limit = at.get("envpool threads"), at.get("envpool limit")
-    ours = [r for r in at.values() if r["backend"].endswith("/jaxtransport")]
+    ours = [r for r in at.values() if "/jaxtransport" in r["backend"]]
     if not ours:
         return []
     best = max(ours, key=lambda r: r["env_steps_per_s"])
@@ -270,7 +283,7 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def merge(folders: list[str], out: str) -> list[dict]:
+def merge(folders: list[str], out: str, name: str = "rollouts_engines") -> list[dict]:
     """Write ``out``'s results from several runs' ``rollouts_engines.json`` (each actor count's
     rows are self-contained: ratios and shares are within it), with the first run's environment
     and conditions before, the last's after, and their seconds summed."""
@@ -278,16 +291,21 @@ def merge(folders: list[str], out: str) -> list[dict]:
 
     from benchmarks import run as runner
 
+    import glob
+
     runs = []
     for folder in folders:
-        with open(os.path.join(folder, "rollouts_engines.json")) as f:
+        found = sorted(glob.glob(os.path.join(folder, "rollouts_engines*.json")))
+        if len(found) != 1:
+            raise SystemExit(f"{folder}: expected one rollouts_engines*.json, found {found}")
+        with open(found[0]) as f:
             runs.append(json.load(f))
     rows = [r for data in runs for r in data["rows"]]
     counts = [r["actors"] for r in rows if r["backend"] == "limit"]
     if len(counts) != len(set(zip(counts, [r["engine"] for r in rows if r["backend"] == "limit"]))):
         raise SystemExit("the runs measured the same actor count and engine more than once: merge distinct runs")
     cond = [data.get("conditions", {}) for data in runs]
-    runner.write_outputs("rollouts_engines", sys.modules[__name__], rows, out,
+    runner.write_outputs(name, sys.modules[__name__], rows, out,
                          sum(data.get("seconds", 0.0) for data in runs), any(data.get("quick") for data in runs),
                          info=runs[0].get("environment"), generated=runs[-1].get("generated"),
                          before={"loadavg": cond[0].get("loadavg_before"), "memcpy_gbps": cond[0].get("memcpy_gbps"),
@@ -307,11 +325,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--merge", nargs="+", metavar="DIR",
                    help="measure nothing: write --out from the rollouts_engines.json of these folders (runs of "
                    "other actor counts, e.g. one device command each), their rows together")
+    p.add_argument("--name", default="rollouts_engines",
+                   help="the results files' name with --out (e.g. rollouts_engines_tpu for a device run "
+                   "published beside this machine's)")
     p.add_argument("--out", help="write rollouts_engines.{json,md,png} to this folder, as `python -m benchmarks` "
                    "does (benchmarks/results: the published results)")
     args = p.parse_args(argv)
     if args.merge:
-        return merge(args.merge, args.out or ".")
+        return merge(args.merge, args.out or ".", args.name)
     if args.out:
         from benchmarks import run as runner
 
@@ -321,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                engines=tuple(args.engine or ENGINES), limit_steps=args.limit_steps)
     seconds = time.perf_counter() - start
     if args.out and rows:
-        runner.write_outputs("rollouts_engines", sys.modules[__name__], rows, args.out, seconds, args.quick,
+        runner.write_outputs(args.name, sys.modules[__name__], rows, args.out, seconds, args.quick,
                              before=before, after=runner.conditions())
     else:
         for line in check_targets(rows):

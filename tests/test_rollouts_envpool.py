@@ -142,6 +142,25 @@ def test_envpool_engine_through_jaxtransport_pool():
     assert all(it.act_s > 0 and it.bytes_moved > 2 * 12 * atari.STACK * 36 * 36 for it in res.iterations)
 
 
+@pytest.mark.slow
+def test_central_inference_through_jaxtransport_queues():
+    """--inference learner (SEED RL): an actor process sends each step's observations to the
+    learner's process and gets the actions back through jaxtransport.multiprocessing queues;
+    every iteration's trajectory comes back whole, with the round trips as its acting time."""
+    _envpool()
+    cfg = _tiny("queue", inference="learner", workers=1)
+    res = rollouts.train(cfg, "jaxtransport", out=io.StringIO(), err=io.StringIO())
+    assert [it.env_steps for it in res.iterations] == [2 * 12] * 2
+    assert all(0 < it.act_s < it.compute_s for it in res.iterations)
+
+
+def test_central_inference_is_the_queue_backends():
+    with pytest.raises(ValueError, match="--inference learner .* runs with --backend queue"):
+        _tiny("threads", inference="learner").validate()
+    with pytest.raises(ValueError, match="--inference learner .* runs with --backend queue"):
+        rollouts.Config(backend="queue", inference="learner").validate()
+
+
 def test_stepping_limit_and_targets():
     """benchmarks/rollouts_engines.py: the limit row steps real environments in actor
     processes; the targets compare jaxtransport's best row at the most actors with threads

@@ -209,12 +209,13 @@ class Rollouts:
     def close(self) -> None:
         raise NotImplementedError
 
-    def rollout(self, params, key, steps: int):
+    def rollout(self, params, key, steps: int, act=None):
         """``steps`` steps of every environment with the policy ``params``, actions sampled
         with ``key``. Returns ``(trajectory, carry, compute_s, act_s)``: ``compute_s`` is the
         whole rollout (stepping and acting, in this process, from the moment the parameters
         have landed), ``act_s`` the part spent choosing actions (the policy's forward pass and
-        sampling, waited for)."""
+        sampling, waited for). ``act(obs, t) -> (actions, logp)``: choose the actions
+        elsewhere instead (``--inference learner``: ``act_s`` is then the round trips)."""
         import jax
         import jax.numpy as jnp
 
@@ -224,6 +225,11 @@ class Rollouts:
         # parameters (the stock queue's) are put on the device once, not at every step.
         params = jax.tree.map(jnp.asarray, params)
         jax.block_until_ready((params, key))
+        if act is None:
+
+            def act(obs, t):
+                return conv.act(params, obs, key, np.int32(t))
+
         e, s = self.spec.envs, self.spec.frame_size
         frames = np.empty((steps, e, STACK, s, s), np.uint8)
         actions = np.empty((steps, e), np.int32)
@@ -239,7 +245,7 @@ class Rollouts:
         for t in range(steps):
             frames[t] = obs
             a0 = time.perf_counter()
-            a, lp = conv.act(params, obs, key, np.int32(t))
+            a, lp = act(obs, t)
             actions[t] = np.asarray(a)
             logp[t] = np.asarray(lp)
             act_s += time.perf_counter() - a0

@@ -137,6 +137,7 @@ def train(
         max_lag=cfg.max_lag,
         budget=budget,
         learner_platform=learner_device.platform,
+        inference=cfg.inference,
     ) as be:
         # The workers start and compile in the background while the learner compiles here.
         warm_up_learner()
@@ -310,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
         "actions and options",
     )
     p.add_argument(
+        "--inference",
+        choices=backends.INFERENCE,
+        default=d.inference,
+        help="where the Atari policy chooses the actions: in each actor (on its CPU), or, with "
+        "--backend queue, in the learner's process on its device, batched over the actors, "
+        "which send each step's observations and get the actions back through the transport "
+        "(SEED RL's design; the round trip is reported as acting)",
+    )
+    p.add_argument(
         "--backend",
         choices=backends.BACKENDS,
         default=d.backend,
@@ -416,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_lag=args.max_lag,
         cpus_per_actor=args.cpus_per_actor,
         engine=args.engine,
+        inference=args.inference,
         seed=args.seed,
         warmup=args.warmup,
         **given,

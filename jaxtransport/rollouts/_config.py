@@ -41,6 +41,7 @@ class Config:
     max_lag: int = 1
     cpus_per_actor: int | None = None
     engine: str = "gymnasium"  # what steps an Atari game's environments (_atari.ENGINES)
+    inference: str = "actor"  # where the Atari policy acts: each actor, or the learner's process (SEED RL)
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -66,6 +67,13 @@ class Config:
             raise ValueError(f"--engine must be gymnasium or envpool, got {self.engine!r}")
         if self.engine != "gymnasium" and not self.atari:
             raise ValueError(f"--engine {self.engine} steps Atari games: use it with --env pong (or another ALE game)")
+        if self.inference not in backends.INFERENCE:
+            raise ValueError(f"--inference must be one of {backends.INFERENCE}, got {self.inference!r}")
+        if self.inference == "learner" and (self.backend != "queue" or not self.atari):
+            raise ValueError(
+                "--inference learner (the actors' observations to the learner's process, actions back) "
+                "runs with --backend queue and an ALE game (--env pong)"
+            )
         if self.atari:
             from . import _conv as conv
 
