@@ -581,7 +581,7 @@ def _engines() -> None:
     # count; "ratio" is against threads over envpool (cleanba's stack), "limit_share" against
     # the row's own engine's stepping limit. Actor counts: those of the published run.
     backends = (("threads", "threads"), ("queue/jaxtransport", "queue_jt"), ("pool/jaxtransport", "pool_jt"),
-                ("queue/stock", "queue_stock"), ("limit", "limit"))
+                ("queue/stock", "queue_stock"), ("queue/jaxtransport+central-inference", "central"), ("limit", "limit"))
     for actors in (1, 2):
         for engine in ("gymnasium", "envpool"):
             for backend, tag in backends:
