@@ -29,8 +29,8 @@ GIL released; with ``--backend threads`` that is cleanba's stack
 The parts live in private modules: ``_cli`` (the loop and the command line), ``_config`` (the
 run's configuration and measurements), ``_env`` (CartPole and its renderer),
 ``_policy`` (tile-coded MLP, REINFORCE, Adam), ``_worker`` (the jitted
-rollout and learner step), ``_atari`` (ALE environments through gymnasium, the actor's
-rollout loop), ``_envpool`` (the same through envpool) and ``_conv`` (the Atari
+rollout and learner step), ``_ale`` (an Atari actor's rollout loop and records), ``_atari``
+(ALE environments through gymnasium), ``_envpool`` (the same through envpool) and ``_conv`` (the Atari
 policy and learner step), ``_backends`` (Pool / Ray / streaming queue, jaxtransport / stock;
 threads) and ``_report`` (progress bar and tables).
 """

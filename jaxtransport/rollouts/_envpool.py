@@ -10,7 +10,7 @@ actors step theirs: ``async_reset`` once, then per step ``send(actions, env_id)`
 ``recv()``. envpool steps the batch on its own C++ thread (one per actor, ``THREADS``: one core
 per actor, as the actor processes get), with the GIL released while ``recv`` waits: actor
 threads in one process step their envpools at once, which gymnasium's Python wrappers do not.
-The rollout loop, the policy and the trajectory are ``_atari.Rollouts``', shared with the
+The rollout loop, the policy and the trajectory are ``_ale.Rollouts``', shared with the
 gymnasium engine.
 
 The options are the gymnasium engine's (``_atari``: ``ALE/<Game>-v5`` with
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _atari as atari
+from . import _ale as ale
 
 # envpool's C++ threads per actor: one, so that an actor (thread or process) steps on one core,
 # as every backend's actors are budgeted (envpool's default, 0, takes every core for each pool).
@@ -64,7 +64,7 @@ def game_id(name: str) -> str:
     ``ALE/Pong-v5`` or ``Pong-v5``; ValueError naming the flag when envpool has no such game."""
     ep = _envpool()
     base = name.split("/")[-1]
-    gid = base if base.endswith("-v5") else f"{atari.camel_case(base)}-v5"
+    gid = base if base.endswith("-v5") else f"{ale.camel_case(base)}-v5"
     games = [g for g in ep.list_all_envs() if g.endswith("-v5")]
     if gid not in games:
         raise ValueError(
@@ -74,7 +74,7 @@ def game_id(name: str) -> str:
     return gid
 
 
-def _make(spec: atari.Spec, num_envs: int, seed: int):
+def _make(spec: ale.Spec, num_envs: int, seed: int):
     return _envpool().make(
         spec.game_id,
         env_type="gymnasium",
@@ -84,9 +84,9 @@ def _make(spec: atari.Spec, num_envs: int, seed: int):
         seed=seed,
         img_height=spec.frame_size,
         img_width=spec.frame_size,
-        stack_num=atari.STACK,
-        frame_skip=atari.FRAME_SKIP,
-        noop_max=atari.NOOP_MAX,
+        stack_num=ale.STACK,
+        frame_skip=ale.FRAME_SKIP,
+        noop_max=ale.NOOP_MAX,
         gray_scale=True,
         repeat_action_probability=STICKY,
         use_fire_reset=False,
@@ -99,20 +99,20 @@ def _make(spec: atari.Spec, num_envs: int, seed: int):
 
 def num_actions(gid: str) -> int:
     """The size of the game's minimal action set."""
-    envs = _make(atari.Spec(gid, 1, 84, 0, "envpool"), 1, 0)
+    envs = _make(ale.Spec(gid, 1, 84, 0, "envpool"), 1, 0)
     try:
         return int(envs.action_space.n)
     finally:
         envs.close()
 
 
-class Actor(atari.Rollouts):
+class Actor(ale.Rollouts):
     """One actor's environments in one envpool (see the module docstring): the environments of
     actor ``index`` get the seeds the gymnasium engine gives them."""
 
-    def __init__(self, spec: atari.Spec, index: int):
+    def __init__(self, spec: ale.Spec, index: int):
         self.spec, self.index = spec, index
-        self._envs = _make(spec, spec.envs, atari.env_seed(spec, index))
+        self._envs = _make(spec, spec.envs, ale.env_seed(spec, index))
         self.actions = int(self._envs.action_space.n)
         self._ep_return = np.zeros(spec.envs, np.float32)
         self._envs.async_reset()
