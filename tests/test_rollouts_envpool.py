@@ -116,20 +116,18 @@ def test_cleanba_stack_threads_over_envpool_runs_and_repeats():
 
 
 @pytest.mark.slow
-def test_envpool_engine_through_jaxtransport_queue_on_the_command_line():
+def test_envpool_engine_through_jaxtransport_queue_on_the_command_line(capsys):
     """The envpool engine in actor processes through jaxtransport.multiprocessing, through the
-    public command line: the trajectories arrive, the learner updates, the report names the
-    engine."""
+    command line's entry point: the trajectories arrive, the learner updates, the report names
+    the engine."""
     _envpool()
-    environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    args = ["--env", "pong", "--engine", "envpool", "--backend", "queue", "--workers", "2", "--iterations", "2",
+    args = ["--env", "pong", "--engine", "envpool", "--backend", "queue", "--workers", "1", "--iterations", "2",
             "--envs", "2", "--steps", "12", "--warmup", "0", "--frame-size", "36", "--hidden", "16"]
-    proc = subprocess.run([sys.executable, "-m", "jaxtransport.rollouts", *args], env=environ,
-                          capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "## Rollouts: pong through envpool, queue backend, 2 workers" in proc.stdout, proc.stdout
-    assert "Pong-v5 through envpool (6 actions)" in proc.stdout, proc.stdout
-    assert "| queue/jaxtransport |" in proc.stdout, proc.stdout
+    assert rollouts.main(args) == 0
+    out = capsys.readouterr().out
+    assert "## Rollouts: pong through envpool, queue backend, 1 workers" in out, out
+    assert "Pong-v5 through envpool (6 actions)" in out, out
+    assert "| queue/jaxtransport |" in out, out
 
 
 @pytest.mark.slow
