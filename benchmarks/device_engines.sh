@@ -12,15 +12,22 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder the results go to}
 ACTORS=${ACTORS:-1,2,4,8,12}
 ITERATIONS=${ITERATIONS:-30}
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then  # the Python that has JAX (PYTHON overrides)
+  for c in python python3; do
+    if command -v "$c" >/dev/null && "$c" -c 'import jax' 2>/dev/null; then PY=$c; break; fi
+  done
+fi
+PY=${PY:?no python with jax found: set PYTHON}
 site=$(mktemp -d "${TMPDIR:-/tmp}/jaxtransport-atari.XXXXXX")
 trap 'rm -rf "$site"' EXIT
-python -m benchmarks.atari_bundle install "$site"
+"$PY" -m benchmarks.atari_bundle install "$site"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
-python -c 'import jax; print("learner device:", jax.devices()[0])'
-python -m benchmarks.atari_bundle check
+"$PY" -c 'import jax; print("learner device:", jax.devices()[0])'
+"$PY" -m benchmarks.atari_bundle check
 engines="--engine envpool"
-if python -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
-python -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
+if "$PY" -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
+"$PY" -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
   --name "${NAME:-rollouts_engines}" \
   2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_engines}.log"
