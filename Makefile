@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
-# Ray, joblib and diskcache, the Atari games and the test and plotting tools (the whole suite runs); `make bench` adds Ray, joblib,
+# Ray, joblib and diskcache, the Atari games (gymnasium's and envpool's) and the test and plotting tools (the whole suite runs); `make bench` adds Ray, joblib,
 # matplotlib, loky and torch (the CPU wheel: the queue benchmark's torch.multiprocessing baseline).
 # `make venv` is what `make test` installs (development, the docs tools included: the suite
 # builds the documentation site). `make lint` adds ruff and mypy; `make docs` builds the site
@@ -67,7 +67,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem,atari,docs,joblib]'
+	$(PIP) -e '.[ray,test,ecosystem,atari,envpool,docs,joblib]'
 	$(COMPILE)
 	touch $(STAMP)
 
@@ -86,7 +86,7 @@ $(BENCH_STAMP): pyproject.toml | $(PY)
 # mypy checks against what `make test` installs (Ray, the extras): what it sees, and so which
 # `type: ignore` comments are needed, must not depend on which target ran first.
 $(LINT_STAMP): pyproject.toml | $(PY)
-	$(PIP) -e '.[ray,test,ecosystem,atari,docs,joblib,lint]'
+	$(PIP) -e '.[ray,test,ecosystem,atari,envpool,docs,joblib,lint]'
 	touch $(LINT_STAMP)
 
 $(DOCS_STAMP): pyproject.toml | $(PY)

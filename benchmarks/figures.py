@@ -576,6 +576,25 @@ def _rollouts_scale() -> None:
         FIGURES[f"{tag}.compute_vs_2"] = F("rollouts_scale", "compute_vs_fewest", "x", **where)
 
 
+def _engines() -> None:
+    # benchmarks/rollouts_engines.py: Pong by engine (gymnasium, envpool) and design, per actor
+    # count; "ratio" is against threads over envpool (cleanba's stack), "limit_share" against
+    # the row's own engine's stepping limit. Actor counts: those of the published run.
+    backends = (("threads", "threads"), ("queue/jaxtransport", "queue_jt"), ("pool/jaxtransport", "pool_jt"),
+                ("queue/stock", "queue_stock"), ("queue/jaxtransport+central-inference", "central"), ("limit", "limit"))
+    for actors in (1, 2):
+        for engine in ("gymnasium", "envpool"):
+            for backend, tag in backends:
+                where = {"name": "rollouts-engines-pong", "actors": actors, "engine": engine, "backend": backend}
+                key = f"engines.{actors}.{engine}.{tag}"
+                FIGURES[f"{key}.steps"] = F("rollouts_engines", "env_steps_per_s", "steps", **where)
+                FIGURES[f"{key}.load"] = F("rollouts_engines", "load", "raw", **where)
+                if backend != "limit":
+                    FIGURES[f"{key}.ratio"] = F("rollouts_engines", "ratio", "x2", **where)
+                    FIGURES[f"{key}.of_limit"] = F("rollouts_engines", "limit_share", "pct", **where)
+                    FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
+
+
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
 PREVIOUS = ("pool", "executor", "queue", "rollouts_atari")
 
@@ -589,6 +608,7 @@ _joblib()
 _platforms()
 _device()
 _rollouts_scale()
+_engines()
 _previous()
 
 

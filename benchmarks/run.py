@@ -62,6 +62,7 @@ BENCHMARKS = (
     ("rollouts", "benchmarks.rollouts"),
     ("rollouts_scale", "benchmarks.rollouts_scale"),
     ("rollouts_atari", "benchmarks.rollouts_atari"),
+    ("rollouts_engines", "benchmarks.rollouts_engines"),
     ("queue", "benchmarks.queue"),
     ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),

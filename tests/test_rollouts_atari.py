@@ -46,8 +46,8 @@ def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 # Slow (make test-slow): ALE environments, actor processes, the demo end to end.
 pytestmark = pytest.mark.slow
 
-def _spec(envs=3, frame_size=36, seed=0):
-    return atari.Spec(atari.game_id("pong"), envs, frame_size, seed)
+def _spec(envs=3, frame_size=36, seed=0, engine="gymnasium"):
+    return atari.Spec(atari.game_id("pong", engine), envs, frame_size, seed, engine)
 
 
 @requires_atari
@@ -59,17 +59,27 @@ def test_game_names():
         atari.game_id("nosuchgame")
 
 
-@requires_atari
-def test_actor_trajectory_layout_and_repeatability():
+@pytest.mark.parametrize("engine", atari.ENGINES)
+def test_actor_trajectory_layout_and_repeatability(engine):
     """Frames are stacked 84x84-style uint8 observations (each step's stack is the previous one
     shifted by a frame, except across an episode boundary); the recorded log-probabilities are
     the acting policy's; the same actor index, parameters and key give the same trajectory
-    bit for bit, and another index other environments."""
-    spec = _spec()
-    params = conv.init(jax.random.key(0), atari.num_actions(spec.game_id), 16, atari.STACK, 36)
-    a = atari.Actor(spec, 0)
-    traj, carry, compute, act = a.rollout(params, jax.random.key(1), 20)
-    a.close()
+    bit for bit, and another index other environments. Either engine (the rollout loop is
+    shared; envpool's test skips without the envpool extra)."""
+    missing = atari.available(engine)
+    if missing is not None:
+        pytest.skip(f"the {engine} engine is not installed: {missing}")
+    spec = _spec(engine=engine)
+    params = conv.init(jax.random.key(0), atari.num_actions(spec.game_id, engine), 16, atari.STACK, 36)
+
+    def run(index):
+        a = atari.make_actor(spec, index)
+        try:
+            return a.rollout(params, jax.random.key(1), 20)
+        finally:
+            a.close()
+
+    traj, carry, compute, act = run(0)
     assert traj.frames.shape == (20, 3, atari.STACK, 36, 36) and traj.frames.dtype == jnp.uint8
     for name in ("actions", "logp", "rewards", "dones", "failures"):
         assert getattr(traj, name).shape == (20, 3), name
@@ -80,15 +90,9 @@ def test_actor_trajectory_layout_and_repeatability():
     logits = conv.apply(params, traj.frames.reshape((-1, atari.STACK, 36, 36)))
     want = jnp.take_along_axis(jax.nn.log_softmax(logits), traj.actions.reshape(-1, 1), 1)[:, 0]
     np.testing.assert_allclose(traj.logp.reshape(-1), want, rtol=1e-5, atol=1e-5)
-    again = atari.Actor(spec, 0)
-    traj2, *_ = again.rollout(params, jax.random.key(1), 20)
-    again.close()
-    for x, y in zip(jax.tree.leaves(traj), jax.tree.leaves(traj2)):
+    for x, y in zip(jax.tree.leaves(traj), jax.tree.leaves(run(0)[0])):
         np.testing.assert_array_equal(x, y)
-    other = atari.Actor(spec, 1)
-    traj3, *_ = other.rollout(params, jax.random.key(1), 20)
-    other.close()
-    assert not np.array_equal(traj3.frames, traj.frames)
+    assert not np.array_equal(run(1)[0].frames, traj.frames)
 
 
 def _update(params, trajs):

@@ -22,11 +22,15 @@ gymnasium and ale-py: each actor steps a batch of ALE environments in Python (th
 case processes exist for), acts with a small convolutional policy, and sends stacked frames;
 ``--backend threads`` runs the same actors as threads with ``queue.Queue`` (the
 cleanba/Sebulba design), the baseline ``benchmarks/rollouts_atari.py`` compares with.
+``--engine envpool`` (the ``envpool`` extra) steps the same games with envpool's C++ pool,
+GIL released; with ``--backend threads`` that is cleanba's stack
+(``benchmarks/rollouts_engines.py``).
 
 The parts live in private modules: ``_cli`` (the loop and the command line), ``_config`` (the
 run's configuration and measurements), ``_env`` (CartPole and its renderer),
 ``_policy`` (tile-coded MLP, REINFORCE, Adam), ``_worker`` (the jitted
-rollout and learner step), ``_atari`` (ALE environments, the actor) and ``_conv`` (the Atari
+rollout and learner step), ``_ale`` (an Atari actor's rollout loop and records), ``_atari``
+(ALE environments through gymnasium), ``_envpool`` (the same through envpool) and ``_conv`` (the Atari
 policy and learner step), ``_backends`` (Pool / Ray / streaming queue, jaxtransport / stock;
 threads) and ``_report`` (progress bar and tables).
 """

@@ -24,18 +24,20 @@ actor's process (``Actor`` is not picklable): what travels is the trajectory.
 Determinism: an actor's environments are seeded from ``(seed, index)`` and its actions from
 the learner's keys, so the same actor index with the same parameters and keys gives the same
 trajectory, in any process or thread.
+
+The rollout loop and the records are engine-independent (``_ale``); this module is the
+gymnasium engine and picks the engine of a run (:func:`make_actor`; ``_envpool``: envpool's).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-STACK = 4
-FRAME_SKIP = 4
-NOOP_MAX = 30
+# The engine-independent parts (the rollout loop and the records), here under their old names.
+from ._ale import FRAME_SKIP, NOOP_MAX, STACK, Rollouts, Spec, Trajectory, camel_case, env_seed
+from ._ale import Carry as Carry
 
 _INSTALL = (
     "the Atari environments need the 'atari' extra: pip install 'jaxtransport[atari]' "
@@ -43,14 +45,7 @@ _INSTALL = (
 )
 
 
-class Spec(NamedTuple):
-    """What an actor needs to build its environments: the gymnasium id (``ALE/Pong-v5``), how
-    many, their frame size, and the run's seed."""
-
-    game_id: str
-    envs: int
-    frame_size: int
-    seed: int
+ENGINES = ("gymnasium", "envpool")
 
 
 class Warm(NamedTuple):
@@ -68,24 +63,6 @@ class Warm(NamedTuple):
     slot: int | None = None
 
 
-class Trajectory(NamedTuple):
-    frames: Any  # (T, E, STACK, S, S) uint8
-    actions: Any  # (T, E) int32
-    logp: Any  # (T, E) float32
-    rewards: Any  # (T, E) float32 (unclipped)
-    dones: Any  # (T, E) bool
-    failures: Any  # (T, E) bool: terminated (not truncated)
-    finished_return_sum: Any  # () float32
-    finished_count: Any  # () int32
-
-
-class Carry(NamedTuple):
-    """What the learner hears of the environments between iterations: the running episodes'
-    returns so far (their state stays in the actor)."""
-
-    ep_return: Any  # (E,) float32
-
-
 def _gym():
     try:
         import ale_py
@@ -97,29 +74,49 @@ def _gym():
     return gymnasium
 
 
-def available() -> str | None:
-    """``None`` when the Atari environments can run here, else why not (for a skip reason)."""
+def _other(engine: str):
+    """The module of an engine other than gymnasium (``_envpool``), None for gymnasium;
+    ValueError naming the flag for an unknown one."""
+    if engine == "gymnasium":
+        return None
+    if engine == "envpool":
+        from . import _envpool
+
+        return _envpool
+    raise ValueError(f"--engine must be one of {ENGINES}, got {engine!r}")
+
+
+def available(engine: str = "gymnasium") -> str | None:
+    """``None`` when ``engine``'s Atari environments can run here, else why not (for a skip
+    reason)."""
     try:
-        _gym()
+        require(engine)
     except ImportError as exc:
         return str(exc)
     return None
 
 
-def require() -> None:
-    """Raise ImportError, saying what to install, unless the ``atari`` extra is installed."""
-    _gym()
+def require(engine: str = "gymnasium") -> None:
+    """Raise ImportError, saying what to install, unless ``engine``'s extra is installed."""
+    other = _other(engine)
+    if other is not None:
+        other.require()
+    else:
+        _gym()
 
 
-def game_id(name: str) -> str:
-    """The gymnasium id of an ALE game given as ``pong``, ``space_invaders``, ``SpaceInvaders``
-    or ``ALE/Pong-v5``; ValueError naming the flag when there is no such game."""
+def game_id(name: str, engine: str = "gymnasium") -> str:
+    """The id in ``engine``'s registry of an ALE game given as ``pong``, ``space_invaders``,
+    ``SpaceInvaders`` or ``ALE/Pong-v5`` (gymnasium's: ``ALE/Pong-v5``); ValueError naming the
+    flag when there is no such game."""
+    other = _other(engine)
+    if other is not None:
+        return other.game_id(name)
     gym = _gym()
     if "/" in name:
         gid = name
     else:
-        camel = "".join(part[:1].upper() + part[1:] for part in name.replace("-", "_").split("_"))
-        gid = f"ALE/{camel}-v5"
+        gid = f"ALE/{camel_case(name)}-v5"
     if gid not in gym.registry:
         games = sum(1 for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5"))
         raise ValueError(
@@ -130,8 +127,11 @@ def game_id(name: str) -> str:
     return gid
 
 
-def num_actions(gid: str) -> int:
-    """The size of the game's action set (the minimal one, as gymnasium's ALE envs use)."""
+def num_actions(gid: str, engine: str = "gymnasium") -> int:
+    """The size of the game's action set (the minimal one, as both engines use by default)."""
+    other = _other(engine)
+    if other is not None:
+        return other.num_actions(gid)
     gym = _gym()
     env = gym.make(gid)
     try:
@@ -149,9 +149,10 @@ def _make_one(gid: str, frame_size: int):
     return FrameStackObservation(env, STACK)
 
 
-class Actor:
-    """One actor's environments (see the module docstring). ``index`` tells actors apart: it
-    picks the environments' seeds. Costs ~10 MiB of memory per environment (the emulator)."""
+class Actor(Rollouts):
+    """One actor's environments through gymnasium (see the module docstring). ``index`` tells
+    actors apart: it picks the environments' seeds. Costs ~10 MiB of memory per environment
+    (the emulator)."""
 
     def __init__(self, spec: Spec, index: int):
         gym = _gym()
@@ -160,84 +161,35 @@ class Actor:
             [lambda: _make_one(spec.game_id, spec.frame_size)] * spec.envs,
             autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
         )
-        # Distinct seeds for every environment of every actor of the run.
-        seed = (spec.seed * 100_003 + index * spec.envs) % (1 << 31)
-        self._obs, _ = self._envs.reset(seed=seed)
+        self.actions = int(self._envs.single_action_space.n)
+        self._obs, _ = self._envs.reset(seed=env_seed(spec, index))
         self._ep_return = np.zeros(spec.envs, np.float32)
 
     def close(self) -> None:
         self._envs.close()
 
-    def rollout(self, params, key, steps: int):
-        """``steps`` steps of every environment with the policy ``params``, actions sampled
-        with ``key``. Returns ``(trajectory, carry, compute_s, act_s)``: ``compute_s`` is the
-        whole rollout (stepping and acting, in this process, from the moment the parameters
-        have landed), ``act_s`` the part spent choosing actions (the policy's forward pass and
-        sampling, waited for)."""
-        import jax
-        import jax.numpy as jnp
+    def _step(self, actions):
+        obs, reward, terminated, truncated, _ = self._envs.step(actions)
+        return obs, reward, terminated, truncated
 
-        from . import _conv as conv
 
-        # Arguments that just arrived may still be landing (see _worker.rollout); numpy
-        # parameters (the stock queue's) are put on the device once, not at every step.
-        params = jax.tree.map(jnp.asarray, params)
-        jax.block_until_ready((params, key))
-        e, s = self.spec.envs, self.spec.frame_size
-        frames = np.empty((steps, e, STACK, s, s), np.uint8)
-        actions = np.empty((steps, e), np.int32)
-        logp = np.empty((steps, e), np.float32)
-        rewards = np.empty((steps, e), np.float32)
-        dones = np.empty((steps, e), bool)
-        failures = np.empty((steps, e), bool)
-        finished_sum, finished_count = 0.0, 0
-        ep_return = self._ep_return
-        start = time.perf_counter()
-        act_s = 0.0
-        obs = self._obs
-        for t in range(steps):
-            frames[t] = obs
-            a0 = time.perf_counter()
-            a, lp = conv.act(params, obs, key, np.int32(t))
-            actions[t] = np.asarray(a)
-            logp[t] = np.asarray(lp)
-            act_s += time.perf_counter() - a0
-            obs, reward, terminated, truncated, _ = self._envs.step(actions[t])
-            rewards[t] = reward
-            failures[t] = terminated
-            dones[t] = done = terminated | truncated
-            ep_return += rewards[t]
-            if done.any():
-                finished_sum += float(ep_return[done].sum(dtype=np.float64))
-                finished_count += int(done.sum())
-                ep_return[done] = 0.0
-        self._obs = obs
-        traj = Trajectory(
-            frames=jax.device_put(frames),
-            actions=jnp.asarray(actions),
-            logp=jnp.asarray(logp),
-            rewards=jnp.asarray(rewards),
-            dones=jnp.asarray(dones),
-            failures=jnp.asarray(failures),
-            finished_return_sum=jnp.float32(finished_sum),
-            finished_count=jnp.int32(finished_count),
-        )
-        carry = Carry(jnp.asarray(ep_return))
-        jax.block_until_ready((traj, carry))
-        return traj, carry, time.perf_counter() - start, act_s
+def make_actor(spec: Spec, index: int) -> Rollouts:
+    """Actor ``index``'s environments, stepped by ``spec.engine``."""
+    other = _other(spec.engine)
+    return Actor(spec, index) if other is None else other.Actor(spec, index)
 
 
 # The actors of this process, by (spec, slot): a streaming or Ray actor process holds one; a
 # Pool worker holds one per slot of the run (tasks are not pinned to processes: which copy of a
 # slot steps next varies, so a Pool run is not repeatable bit for bit; the others are).
-_ACTORS: dict[tuple[Spec, int], Actor] = {}
+_ACTORS: dict[tuple[Spec, int], Rollouts] = {}
 
 
-def actor(spec: Spec, slot: int) -> Actor:
+def actor(spec: Spec, slot: int) -> Rollouts:
     """This process's actor for ``slot`` of the run ``spec``, built on first use."""
     a = _ACTORS.get((spec, slot))
     if a is None:
-        a = _ACTORS[(spec, slot)] = Actor(spec, slot)
+        a = _ACTORS[(spec, slot)] = make_actor(spec, slot)
     return a
 
 

@@ -38,6 +38,7 @@ from . import _worker as worker
 
 BACKENDS = ("pool", "ray", "queue", "threads")
 TRANSPORTS = ("jaxtransport", "stock")
+INFERENCE = ("actor", "learner")
 
 # Without a CPU budget (``_cpus``), when the workers fill the machine's cores: Eigen's operations
 # on the calling thread, not on a pool spanning all cores (the reason Ray sets OMP_NUM_THREADS=1
@@ -487,7 +488,16 @@ class _ActorItem(NamedTuple):
     cpu_s: float | None = None  # its process's CPU seconds in the rollout (_worker.take_cpu_s)
 
 
-def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shape: tuple, max_lag: int = 1) -> None:
+def actor_loop(
+    index: int,
+    params_q,
+    traj_q,
+    warm: tuple | None,
+    seed: int,
+    shape: tuple,
+    max_lag: int = 1,
+    inference: tuple | None = None,
+) -> None:
     """A streaming actor (``--backend queue`` in a process, ``--backend threads`` in a
     thread): steps its environments continuously, puts each trajectory on ``traj_q`` with the
     version of the parameters that produced it, and picks up the newest parameters the learner
@@ -496,7 +506,9 @@ def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shap
     the learner's updates from 1), then waits for a newer version: with ``max_lag=1`` each
     actor steps while the learner updates, and the learner's data is one update old. ``None``
     on ``params_q`` stops it. ``shape``: CartPole's ``(envs, frame_size, steps)``; an Atari
-    run's ``warm`` (an ``_atari.Warm``) says everything instead."""
+    run's ``warm`` (an ``_atari.Warm``) says everything instead. ``inference``: Atari's
+    ``(requests, replies)`` queues of :class:`CentralInference`, which then chooses the
+    actions (``--inference learner``)."""
     import jax
 
     base = jax.random.fold_in(jax.random.key(seed), 7919 + index)
@@ -504,16 +516,18 @@ def actor_loop(index: int, params_q, traj_q, warm: tuple | None, seed: int, shap
         # This loop's own environments (not the process's registry, which a Pool worker
         # shares between tasks): a run in a thread starts from its seed whatever ran before
         # in this process, and closes them when it ends.
-        envs_of_actor = atari.Actor(warm.spec, index)
+        envs_of_actor = atari.make_actor(warm.spec, index)
+        remote = None if inference is None else CentralInference.client(index, *inference)
         try:
-            atari.compile_act(warm)
+            if remote is None:
+                atari.compile_act(warm)
             _stream(
                 index,
                 params_q,
                 traj_q,
                 base,
                 max_lag,
-                lambda params, key: envs_of_actor.rollout(params, key, warm.steps),
+                lambda params, key: envs_of_actor.rollout(params, key, warm.steps, act=remote),
             )
         finally:
             envs_of_actor.close()
@@ -567,12 +581,13 @@ def actor_main(
     shape: tuple,
     max_lag: int = 1,
     cpus: Sequence[int] | None = None,
+    inference: tuple | None = None,
 ) -> None:
     """A streaming actor process: pins itself to ``cpus`` (its CPU budget) and sets the worker
     environment, both before JAX initialises here, then runs :func:`actor_loop`."""
     cpus_budget.apply(cpus)
     apply_environ(env)
-    actor_loop(index, params_q, traj_q, warm, seed, shape, max_lag)
+    actor_loop(index, params_q, traj_q, warm, seed, shape, max_lag, inference)
 
 
 def _shape(warm: tuple | None, shape: tuple | None) -> tuple:
@@ -591,6 +606,98 @@ def _rollouts(items: list, version: int) -> list:
     return [
         worker.Rollout(it.traj, it.carry, it.compute_s, it.act_s, version - it.version, it.cpu_s) for _, it in items
     ]
+
+
+class CentralInference:
+    """``--inference learner``, SEED RL's design: the actors step their environments and send
+    each step's observations to the learner's process, which runs the policy on its device
+    (the accelerator) for every actor whose request is waiting, in one batch, and sends each
+    its actions back.
+
+    Requests go through one queue of the backend's transport (``jaxtransport.multiprocessing``
+    or ``multiprocessing``), each actor's replies through its own. A thread of the learner's
+    process serves them: it takes one request, then every other one already there, pads the
+    batch to every actor's environments (one compiled shape), acts with the newest parameters
+    the learner published (a copy: the learner's update donates its own), samples with its own
+    key (runs are not repeatable bit for bit), and replies with numpy arrays. An actor measures
+    the round trip of each step (its rollout's ``act_s``)."""
+
+    def __init__(self, ctx, workers: int, seed: int):
+        self.workers = workers
+        self.requests = ctx.Queue()
+        self.replies = [ctx.Queue() for _ in range(workers)]
+        self._seed = seed
+        self._params: Any = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._serve, name="jaxtransport-rollouts-inference", daemon=True)
+        self._thread.start()
+
+    def queues(self, index: int) -> tuple:
+        """What actor ``index`` needs (:meth:`client`'s arguments after the index)."""
+        return (self.requests, self.replies[index])
+
+    @staticmethod
+    def client(index: int, requests, replies):
+        """Actor ``index``'s ``act(obs, t)``: one round trip to the learner's process."""
+
+        def act(obs, t):
+            requests.put((index, obs))
+            return replies.get()
+
+        return act
+
+    def publish(self, params) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self._params = jax.tree.map(jnp.copy, params)
+        self._ready.set()
+
+    def check(self) -> None:
+        if self._error:
+            raise RuntimeError(f"central inference failed: {self._error[0]!r}") from self._error[0]
+
+    def _serve(self) -> None:
+        import queue as _queue
+
+        import jax
+        import numpy as np
+
+        from . import _conv as conv
+
+        try:
+            key = jax.random.fold_in(jax.random.key(self._seed), 104_729)
+            calls = 0
+            while not self._stopping.is_set():
+                try:
+                    batch = [self.requests.get(timeout=0.2)]
+                except _queue.Empty:
+                    continue
+                while len(batch) < self.workers:
+                    try:
+                        batch.append(self.requests.get_nowait())
+                    except _queue.Empty:
+                        break
+                self._ready.wait()
+                obs = [np.asarray(o) for _, o in batch]
+                envs = obs[0].shape[0]
+                frames = np.zeros((self.workers * envs, *obs[0].shape[1:]), obs[0].dtype)
+                frames[: len(obs) * envs] = np.concatenate(obs)
+                a, lp = conv.act(self._params, frames, key, np.int32(calls))
+                calls += 1
+                a, lp = np.asarray(a), np.asarray(lp)
+                for j, (index, _) in enumerate(batch):
+                    self.replies[index].put((a[j * envs : (j + 1) * envs], lp[j * envs : (j + 1) * envs]))
+        except BaseException as e:  # noqa: BLE001 - raised by check() on the learner's thread
+            self._error.append(e)
+
+    def stop(self) -> list:
+        """Stop serving; returns the queues for the backend to close."""
+        self._stopping.set()
+        self._thread.join(5.0)
+        return [self.requests, *self.replies]
 
 
 class QueueBackend(Backend):
@@ -628,6 +735,7 @@ class QueueBackend(Backend):
         max_lag: int = 1,
         budget: cpus_budget.Budget | None = None,
         learner_platform: str | None = None,
+        inference: str = "actor",
     ):
         if transport == "jaxtransport":
             from .. import multiprocessing as jmp
@@ -635,6 +743,10 @@ class QueueBackend(Backend):
             ctx: Any = jmp.get_context("spawn")
         else:
             ctx = multiprocessing.get_context("spawn")
+        if inference not in INFERENCE:
+            raise ValueError(f"inference must be one of {INFERENCE}, got {inference!r}")
+        if inference == "learner" and not isinstance(warm, atari.Warm):
+            raise ValueError("--inference learner runs the Atari policy: use it with an ALE game (--env pong)")
         shape = _shape(warm, shape)
         self.name = f"queue/{transport}"
         self.timeout = timeout
@@ -647,12 +759,16 @@ class QueueBackend(Backend):
         self._traj = ctx.Queue(workers)
         self._params = [ctx.Queue() for _ in range(workers)]
         self._procs = []
+        self._inference = CentralInference(ctx, workers, seed) if inference == "learner" else None
+        if self._inference is not None:
+            self.name += "+central-inference"
         try:
             with environ_overlay(env):
                 for i in range(workers):
+                    central = None if self._inference is None else self._inference.queues(i)
                     p = ctx.Process(
                         target=actor_main,
-                        args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag, per_actor[i]),
+                        args=(i, self._params[i], self._traj, env, warm, seed, shape, max_lag, per_actor[i], central),
                         daemon=True,
                         name=f"jaxtransport-rollouts-actor-{i}",
                     )
@@ -665,6 +781,8 @@ class QueueBackend(Backend):
     def broadcast(self, params):
         self._published()
         self._version += 1
+        if self._inference is not None:  # before any actor can act with this version
+            self._inference.publish(params)
         # Each version goes first to a different actor, so that none always waits longest.
         first = self._version % len(self._params)
         queues = self._params[first:] + self._params[:first]
@@ -713,6 +831,8 @@ class QueueBackend(Backend):
         )
 
     def _check_actors(self) -> None:
+        if self._inference is not None:
+            self._inference.check()
         dead = [p for p in self._procs if not p.is_alive()]
         if dead:
             raise RuntimeError(
@@ -742,7 +862,10 @@ class QueueBackend(Backend):
             if p.is_alive():
                 p.kill()
             p.join(5)
-        for q in self._params + [self._traj]:
+        extra = []
+        if self._inference is not None:
+            extra = self._inference.stop()
+        for q in self._params + [self._traj] + extra:
             q.cancel_join_thread()
             q.close()
 
@@ -903,6 +1026,7 @@ def make(
     max_lag: int = 1,
     budget: cpus_budget.Budget | None = None,
     learner_platform: str | None = None,
+    inference: str = "actor",
 ) -> Backend:
     """Start a backend. ``warm`` (the arguments of ``_worker.warm_up``) lets the workers
     compile the rollout while they start. ``timeout``: seconds one iteration's tasks may take
@@ -911,7 +1035,9 @@ def make(
     the streaming actors' environment seeds, ``max_lag``: how many rollouts each may run ahead
     of the learner's updates (``--backend queue``). ``budget``: the actors' cores (``_cpus``;
     the Pool and queue backends), ``learner_platform``: this process's JAX platform (the actors
-    run on the CPU when it is an accelerator's)."""
+    run on the CPU when it is an accelerator's). ``inference="learner"``: the queue backend's
+    actors send observations to this process, which chooses their actions
+    (:class:`CentralInference`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "threads" and transport not in TRANSPORTS:
@@ -920,13 +1046,23 @@ def make(
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     if address is not None and backend != "ray":
         raise ValueError("--address names a Ray cluster: use it with --backend ray")
+    if inference != "actor" and backend != "queue":
+        raise ValueError("--inference learner is the queue backend's: use it with --backend queue")
     if backend == "ray":
         return RayBackend(
             workers, transport, address, timeout, warm, session=session, learner_platform=learner_platform
         )
     if backend == "queue":
         return QueueBackend(
-            workers, transport, warm, timeout, seed, max_lag=max_lag, budget=budget, learner_platform=learner_platform
+            workers,
+            transport,
+            warm,
+            timeout,
+            seed,
+            max_lag=max_lag,
+            budget=budget,
+            learner_platform=learner_platform,
+            inference=inference,
         )
     if backend == "threads":
         return ThreadsBackend(workers, warm, timeout, seed, max_lag=max_lag)

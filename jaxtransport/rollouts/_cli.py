@@ -56,12 +56,12 @@ def train(
         from . import _atari as atari
         from . import _conv as conv
 
-        spec = atari.Spec(atari.game_id(cfg.env), cfg.envs, cfg.frame_size, cfg.seed)
-        actions = atari.num_actions(spec.game_id)
+        spec = atari.Spec(atari.game_id(cfg.env, cfg.engine), cfg.envs, cfg.frame_size, cfg.seed, cfg.engine)
+        actions = atari.num_actions(spec.game_id, cfg.engine)
         params = conv.init(k_params, actions, cfg.hidden, atari.STACK, cfg.frame_size)
         warm: tuple = atari.Warm(spec, cfg.steps, cfg.hidden, actions, cfg.workers)
         carries: list = [None] * cfg.workers
-        what = f"{spec.game_id} ({actions} actions), {atari.STACK} stacked"
+        what = f"{spec.game_id} through {cfg.engine} ({actions} actions), {atari.STACK} stacked"
         frames_desc = "stacked Atari frames"
     else:
         params = policy.init(k_params, cfg.param_mb, cfg.hidden)
@@ -137,6 +137,7 @@ def train(
         max_lag=cfg.max_lag,
         budget=budget,
         learner_platform=learner_device.platform,
+        inference=cfg.inference,
     ) as be:
         # The workers start and compile in the background while the learner compiles here.
         warm_up_learner()
@@ -301,6 +302,24 @@ def build_parser() -> argparse.ArgumentParser:
         "pip install 'jaxtransport[atari]'), stepped in Python by each actor",
     )
     p.add_argument(
+        "--engine",
+        choices=("gymnasium", "envpool"),
+        default=d.engine,
+        help="what steps an ALE game's environments: gymnasium's Python wrappers over ale-py "
+        "(holding the GIL) or envpool's C++ pool (send/recv, the GIL released while it steps: "
+        "cleanba's stack; pip install 'jaxtransport[envpool]'); the same observations, "
+        "actions and options",
+    )
+    p.add_argument(
+        "--inference",
+        choices=backends.INFERENCE,
+        default=d.inference,
+        help="where the Atari policy chooses the actions: in each actor (on its CPU), or, with "
+        "--backend queue, in the learner's process on its device, batched over the actors, "
+        "which send each step's observations and get the actions back through the transport "
+        "(SEED RL's design; the round trip is reported as acting)",
+    )
+    p.add_argument(
         "--backend",
         choices=backends.BACKENDS,
         default=d.backend,
@@ -309,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         "trajectories through a jaxtransport.multiprocessing / multiprocessing Queue "
         "and picking up new parameters as the learner publishes them; threads: the "
         "same streaming actors as threads of this process with queue.Queue, nothing "
-        "serialized (the cleanba/Sebulba design; no --transport)",
+        "serialized, acting on this process's default device (the cleanba/Sebulba design; "
+        "with --engine envpool, cleanba's stack; no --transport)",
     )
     p.add_argument(
         "--address",
@@ -405,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         task_timeout=args.task_timeout,
         max_lag=args.max_lag,
         cpus_per_actor=args.cpus_per_actor,
+        engine=args.engine,
+        inference=args.inference,
         seed=args.seed,
         warmup=args.warmup,
         **given,
@@ -420,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.atari:
             from . import _atari as atari
 
-            atari.game_id(cfg.env)  # the extra is installed and the game exists
+            atari.game_id(cfg.env, cfg.engine)  # the extra is installed and the game exists
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
     if cfg.backend == "threads":

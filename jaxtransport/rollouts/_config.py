@@ -17,9 +17,9 @@ class Config:
     """Everything a run depends on. Defaults: ~1 minute on 2 cores, pixel-heavy trajectories
     (16 envs x 128 steps x 84x84 frames = 14 MiB per worker per iteration), 32 MiB of
     parameters broadcast per iteration. ``env``: ``"cartpole"`` (in ``jax.numpy``) or an ALE
-    game (``"pong"``; the ``atari`` extra), whose defaults are :data:`ATARI_DEFAULTS` when
-    made with :meth:`for_env`. ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None:
-    automatic, 0: none)."""
+    game (``"pong"``; stepped by gymnasium, the ``atari`` extra, or by envpool: ``engine``),
+    whose defaults are :data:`ATARI_DEFAULTS` when made with :meth:`for_env`.
+    ``cpus_per_actor``: the actors' CPU budget (``_cpus.plan``; None: automatic, 0: none)."""
 
     backend: str = "pool"
     env: str = "cartpole"
@@ -40,6 +40,8 @@ class Config:
     task_timeout: float = 600.0
     max_lag: int = 1
     cpus_per_actor: int | None = None
+    engine: str = "gymnasium"  # what steps an Atari game's environments (_atari.ENGINES)
+    inference: str = "actor"  # where the Atari policy acts: each actor, or the learner's process (SEED RL)
 
     def validate(self) -> None:
         for name in ("workers", "iterations", "envs", "steps", "hidden"):
@@ -61,6 +63,17 @@ class Config:
             raise ValueError(f"--backend must be one of {backends.BACKENDS}, got {self.backend!r}")
         if self.address is not None and self.backend != "ray":
             raise ValueError("--address names a Ray cluster: use it with --backend ray")
+        if self.engine not in ("gymnasium", "envpool"):
+            raise ValueError(f"--engine must be gymnasium or envpool, got {self.engine!r}")
+        if self.engine != "gymnasium" and not self.atari:
+            raise ValueError(f"--engine {self.engine} steps Atari games: use it with --env pong (or another ALE game)")
+        if self.inference not in backends.INFERENCE:
+            raise ValueError(f"--inference must be one of {backends.INFERENCE}, got {self.inference!r}")
+        if self.inference == "learner" and (self.backend != "queue" or not self.atari):
+            raise ValueError(
+                "--inference learner (the actors' observations to the learner's process, actions back) "
+                "runs with --backend queue and an ALE game (--env pong)"
+            )
         if self.atari:
             from . import _conv as conv
 

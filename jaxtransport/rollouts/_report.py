@@ -188,6 +188,8 @@ def summary_table(runs: Sequence[RunResult]) -> str:
     steps = cfg.workers * cfg.envs * cfg.steps
     timed = len(runs[0].timed)
     env = cfg.env if getattr(cfg, "atari", False) else "CartPole"
+    if getattr(cfg, "engine", "gymnasium") != "gymnasium":
+        env = f"{env} through {cfg.engine}"
     frames = (
         f"{cfg.frame_size}x{cfg.frame_size} uint8 frames, 4 stacked"
         if getattr(cfg, "atari", False)
@@ -242,8 +244,13 @@ def summary_table(runs: Sequence[RunResult]) -> str:
         if acts:
             compute = sum(it.compute_s for it in r.timed if it.act_s is not None)
             per_step = sum(acts) / len(acts) / cfg.steps
+            what = (
+                "the round trip to the learner's process, which acts for every actor (--inference learner)"
+                if getattr(cfg, "inference", "actor") == "learner"
+                else "the policy's forward pass and sampling"
+            )
             text += (
-                f"\n{table_rows([r])[0][0]}: acting (the policy's forward pass and sampling, "
+                f"\n{table_rows([r])[0][0]}: acting ({what}, "
                 f"in the slowest actor) {per_step * 1e3:.2f} ms per step of {cfg.envs} "
                 f"envs, {100 * sum(acts) / max(compute, 1e-12):.0f}% of the actors' compute"
             )
