@@ -42,7 +42,7 @@ STICKY = 0.25  # ALE -v5's repeat_action_probability (Machado et al. 2018)
 
 _INSTALL = (
     "--engine envpool needs the 'envpool' extra: pip install 'jaxtransport[envpool]' "
-    "(envpool, which ships the Atari ROMs; Linux x86_64/aarch64, Python 3.10-3.13)"
+    "(envpool, which ships the Atari ROMs; Linux, CPython 3.11 and later)"
 )
 
 
