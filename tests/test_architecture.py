@@ -34,6 +34,7 @@ CHECKED = (
     "jaxtransport.multiprocessing",
     "jaxtransport.rollouts",
     "jaxtransport.joblib",
+    "jaxtransport.data",
 )
 # The layers below the top level, which the top-level modules may import (through each
 # package's ``__init__``, its interface): the OS facilities, one interface per facility
@@ -257,6 +258,7 @@ def test_every_name_a_package_loads_on_first_access_is_defined_where_it_says():
     tables = {
         "jaxtransport": "_PUBLIC",
         "jaxtransport.pool": "_PUBLIC",
+        "jaxtransport.data": "_PUBLIC",
         "jaxtransport._os": "_NAMES",
         "jaxtransport._shm": "_LAZY",
     }
