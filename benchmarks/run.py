@@ -66,6 +66,7 @@ BENCHMARKS = (
     ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),
     ("platforms", "benchmarks.platforms"),
+    ("pipeline", "benchmarks.pipeline"),
     ("device", "benchmarks.device"),
 )
 

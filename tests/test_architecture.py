@@ -258,7 +258,6 @@ def test_every_name_a_package_loads_on_first_access_is_defined_where_it_says():
     tables = {
         "jaxtransport": "_PUBLIC",
         "jaxtransport.pool": "_PUBLIC",
-        "jaxtransport.data": "_PUBLIC",
         "jaxtransport._os": "_NAMES",
         "jaxtransport._shm": "_LAZY",
     }

@@ -15,26 +15,10 @@ number of batches ahead of the loop. Batches are the same whatever the number of
 order comes from ``(seed, epoch)`` and each example's random numbers from ``(seed, epoch,
 index)``. The guide is ``docs/guides/input-pipelines.md``.
 
-Importing this package imports neither JAX nor the Pool (``Loader`` is imported on first use):
-a worker imports ``jaxtransport.data._worker`` alone, numpy only.
+Importing this package imports numpy, neither JAX nor the Pool (``Loader`` imports them when one
+is made); a worker imports ``jaxtransport.data._worker``, numpy only.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-_PUBLIC = {"Loader": "._loader"}
-
-if TYPE_CHECKING:
-    from ._loader import Loader as Loader
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
+from ._loader import Loader
 
 __all__ = ["Loader"]

@@ -121,11 +121,11 @@ class Loader:
             raise ValueError(f"start_epoch must be an int >= 0, got {start_epoch!r}")
         count = batches_per_epoch(n, batch_size, drop_remainder)
         if count == 0:
+            if n == 0:
+                raise ValueError("The source is empty: an epoch would have no batch.")
             raise ValueError(
-                f"An epoch has no batch: {n} records, batch_size={batch_size}"
-                + (", drop_remainder=True" if drop_remainder and n else "")
-                + ". Lower batch_size"
-                + (" or set drop_remainder=False." if drop_remainder and n else ".")
+                f"An epoch has no batch: {n} records, batch_size={batch_size}, drop_remainder=True. "
+                "Lower batch_size or set drop_remainder=False."
             )
         options = dict(pool_options or {})
         reserved = sorted(set(options) & set(_RESERVED))
@@ -332,9 +332,9 @@ class _Stream:
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(
-                    f"No batch came in timeout={timeout} s (the loader waited for batch {self.waiting()}). "
-                    "A worker may be stopped (SIGSTOP, a debugger) or the function too slow for this "
-                    "timeout; the loader goes on, so the next call waits again."
+                    f"No batch came within timeout={timeout} s (batches sent to the workers so far: up to "
+                    f"{self.sent()}). A worker may be stopped (SIGSTOP, a debugger) or the function too slow "
+                    "for this timeout; the iterator stays usable, so the next call waits again."
                 )
             try:
                 item = self.ready.get(timeout=wait)
@@ -348,9 +348,11 @@ class _Stream:
                 continue  # an epoch left early: dropped
             return epoch, number, value
 
-    def waiting(self) -> str:
+    def sent(self) -> str:
         epoch, number = self.cursor
-        return f"after {number} of epoch {epoch} were sent" if number else f"the first of epoch {epoch}"
+        if number:
+            return f"batch {number - 1} of epoch {epoch}"
+        return f"the end of epoch {epoch - 1}" if epoch else "none yet"
 
     # -- the feeder
     def indices(self, epoch: int, number: int) -> list[int]:
