@@ -611,6 +611,16 @@ def _pipeline() -> None:
                 FIGURES[f"{tag}.{short}.cores"] = F(file, "cores_busy", "cores", **where)
                 FIGURES[f"{tag}.{short}.per_core"] = F(file, "batches_per_core_s", "per_core", **where)
             FIGURES[f"{tag}.jt.vs_grain"] = F(file, "vs_grain", "x2", name="pipeline", transport=loaders[0][1], workers=n)
+    # ``pipeline_shared.json``: an earlier run here while other jobs used the machine (load 7 to 12): what
+    # each loader got of the cores. Its peak RSS of the loop's process was read wrongly (getrusage) and
+    # is not kept.
+    for short, t in loaders + (("one", "one process"),):
+        where = {"name": "pipeline", "transport": t, "workers": 1 if short == "one" else 2}
+        FIGURES[f"pshared.2.{short}.bps"] = F("pipeline_shared", "batches_per_s", "bps", **where)
+        FIGURES[f"pshared.2.{short}.cores"] = F("pipeline_shared", "cores_busy", "cores", **where)
+        FIGURES[f"pshared.2.{short}.per_core"] = F("pipeline_shared", "batches_per_core_s", "per_core", **where)
+    FIGURES["pshared.2.jt.vs_grain"] = F("pipeline_shared", "vs_grain", "x2", name="pipeline",
+                                         transport=loaders[0][1], workers=2)
 
 
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
@@ -1086,7 +1096,7 @@ PIPELINE_ROWS = [
         "Grain: {pipeline.2.grain.rss} / {pipeline.2.grain.rss_tree}; torch: {pipeline.2.torch.rss} / "
         "{pipeline.2.torch.rss_tree}; one process: {pipeline.2.one.rss}",
         "{pipeline.2.jt.rss} / {pipeline.2.jt.rss_tree}", ""),
-    Row("the cores each loader got on this shared machine (its processes' CPU seconds over the wall time) / "
+    Row("the cores each loader got (its processes' CPU seconds over the wall time) / "
         "batches per CPU-second it got",
         "Grain: {pipeline.2.grain.cores} / {pipeline.2.grain.per_core}; Grain, 1 thread a worker: "
         "{pipeline.2.grain1.cores} / {pipeline.2.grain1.per_core}; torch: {pipeline.2.torch.cores} / "

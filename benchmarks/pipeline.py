@@ -534,7 +534,7 @@ def _merge(paths: list[str], out: str, name: str) -> list[dict]:
         with open(path) as f:
             files.append(json.load(f))
     rows: list[dict] = []
-    for data in files:
+    for path, data in zip(paths, files):
         counts = {r["workers"] for r in data["rows"]}
         if counts & {r["workers"] for r in rows}:
             raise SystemExit(f"{path}: worker counts {sorted(counts)} are already in an earlier file")
