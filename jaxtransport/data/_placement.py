@@ -7,7 +7,7 @@ A batch arrives as numpy arrays over the Pool's shared memory (the Pool runs wit
   uncommitted; on an accelerator a large leaf goes in pieces at once and is joined there (Note
   [host to device in pieces] in ``_codec``); on the CPU the array aliases the shared memory (no
   copy), which returns to the worker when the batch is gone;
-- on a sharding with one device: the same pieces, committed to that device;
+- on a sharding with one device: the same pieces, on that device, with that sharding;
 - on any other sharding: ``jax.device_put(leaf, sharding)`` (each device gets its shard).
 """
 
@@ -106,4 +106,5 @@ def _one_device(a: np.ndarray, device: Any, sharding: Any) -> Any:
     count = _codec._pieces_for(a.nbytes, a.dtype, device.platform)
     if not count:
         return jax.device_put(a, sharding)
-    return _codec._put_parts([a], a.shape, a.dtype, False, count, lambda: a, device=device)
+    out = _codec._put_parts([a], a.shape, a.dtype, False, count, lambda: a, device=device)
+    return jax.device_put(out, sharding)  # the same device: no copy, the sharding asked for
