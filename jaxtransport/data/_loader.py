@@ -193,16 +193,13 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """The next epoch's batches (Note [the loader's stream])."""
-        return self._iterate(self._next_epoch, 1)
+        return _Batches(self, 1)
 
     def batches(self, epochs: int | None = None) -> Iterator[Any]:
         """Batches across ``epochs`` epochs (None: without end), from the next epoch's first."""
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"epochs must be a positive int or None, got {epochs!r}")
-        return self._iterate(self._next_epoch, epochs)
-
-    def _iterate(self, first: int, epochs: int | None) -> Iterator[Any]:
-        return _Batches(self, first, epochs)
+        return _Batches(self, epochs)
 
     def close(self) -> None:
         """Stop the feeder and terminate the workers (idempotent). Batches already taken stay
@@ -222,13 +219,13 @@ class Loader:
 
 
 class _Batches:
-    """An iterator of a Loader's batches from epoch ``first``'s first, for ``epochs`` epochs
-    (None: without end). A class, not a generator: a TimeoutError raised by ``next()`` leaves it
-    usable (an exception ends a generator)."""
+    """An iterator of a Loader's batches for ``epochs`` epochs (None: without end), from the first
+    batch of the next epoch when its first ``next()`` runs. A class, not a generator: a
+    TimeoutError raised by ``next()`` leaves it usable (an exception ends a generator)."""
 
-    def __init__(self, loader: Loader, first: int, epochs: int | None):
-        self.loader, self.first = loader, first
-        self.end = None if epochs is None else first + epochs
+    def __init__(self, loader: Loader, epochs: int | None):
+        self.loader, self.epochs = loader, epochs
+        self.end: int | None = None
         self.ticket: int | None = None
         self.done = False
 
@@ -241,7 +238,9 @@ class _Batches:
         loader = self.loader
         stream = loader._stream
         if self.ticket is None:
-            self.ticket = stream.begin(self.first)
+            first = loader._next_epoch
+            self.end = None if self.epochs is None else first + self.epochs
+            self.ticket = stream.begin(first)
         epoch, number, batch = stream.take(self.ticket, loader.timeout)
         loader._last = (epoch, number)
         loader._next_epoch = epoch + 1
