@@ -174,7 +174,7 @@ class Loader:
         )
         self._finalizer = weakref.finalize(self, _shut_later, self._stream, self._pool)
         self._finalizer.atexit = False  # at exit: _stop_all, then the Pool's own exit hook
-        _STREAMS.add(self._stream)
+        _watch(self._stream)
         self._stream.start(start_epoch)  # the workers start on the first batches at once
 
     def __len__(self) -> int:
@@ -264,9 +264,15 @@ def _shut_later(stream: _Stream, pool: Any) -> None:
 
 
 _STREAMS: weakref.WeakSet = weakref.WeakSet()
+_EXIT_HOOK: list = []  # registered with the first Loader, not at import
 
 
-@atexit.register
+def _watch(stream: _Stream) -> None:
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(_stop_all))
+    _STREAMS.add(stream)
+
+
 def _stop_all() -> None:
     """At interpreter exit: stop every feeder still running (the pools end by their own hook)."""
     for stream in list(_STREAMS):
