@@ -613,7 +613,8 @@ def _pipeline() -> None:
             FIGURES[f"{tag}.jt.vs_grain"] = F(file, "vs_grain", "x2", name="pipeline", transport=loaders[0][1], workers=n)
     # ``pipeline_shared.json``: an earlier run here while other jobs used the machine (load 7 to 12): what
     # each loader got of the cores. Its peak RSS of the loop's process was read wrongly (getrusage) and
-    # is not kept.
+    # is not kept; its runs drained the batches made ahead by the first rule of Note [steady state]
+    # (3 waits in a row, without the 16 batches per worker).
     for short, t in loaders + (("one", "one process"),):
         where = {"name": "pipeline", "transport": t, "workers": 1 if short == "one" else 2}
         FIGURES[f"pshared.2.{short}.bps"] = F("pipeline_shared", "batches_per_s", "bps", **where)

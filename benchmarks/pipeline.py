@@ -263,9 +263,10 @@ def _batches(kind: str, workers: int, source: Cycled) -> tuple[Any, Any, bool]:
 # after 13 s here, with dozens more nearly done behind it, and 8 batches timed right after the
 # warm-up ran at 18 batches/s on 2 cores, against 3.9 once those were gone. So after the warm-up
 # each run takes batches until the loop has waited for 3 in a row (each wait at least 0.3 of
-# the time a batch takes at the limit): what was made ahead is gone, the loader runs at its own
-# pace (at most ``40 * workers + 40`` batches; ``drained`` says how many), and then the timed
-# phases start.
+# the time a batch takes at the limit) and it has taken at least 16 per worker (as many as
+# Grain's threads may have had under way), whichever comes later: what was made ahead is gone,
+# the loader runs at its own pace (at most ``40 * workers + 40`` batches; ``drained`` says how
+# many), and then the timed phases start. The same rule for every loader.
 
 
 def child(spec: dict) -> dict:
@@ -288,7 +289,7 @@ def child(spec: dict) -> dict:
             step(b if on_device else jax.device_put(b)).block_until_ready()
         # Drain what the loader made ahead while it started (Note [steady state]).
         drained, waits_in_a_row = 0, 0
-        while waits_in_a_row < 3 and drained < drain_max:
+        while (waits_in_a_row < 3 or drained < 16 * spec["workers"]) and drained < drain_max:
             t = time.perf_counter()
             b = next(it)
             waits_in_a_row = waits_in_a_row + 1 if time.perf_counter() - t >= 0.3 * spec["step_s"] else 0
