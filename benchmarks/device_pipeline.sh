@@ -29,7 +29,11 @@ mkdir -p "$OUT"
 ls .wheels-pipeline/*.whl > /dev/null || { echo "no wheels in .wheels-pipeline/ (see the top of this script)"; exit 1; }
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
-"$PY" -m pip install -q --no-index --no-deps --target "$SITE" .wheels-pipeline/*.whl
+if "$PY" -m pip --version > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .wheels-pipeline/*.whl
+else  # no pip: a wheel is a zip of what goes into site-packages
+    for w in .wheels-pipeline/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
+fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import PIL, grain, jax; print('pillow', PIL.__version__, 'grain', grain.__version__ if hasattr(grain, '__version__') else '?', 'jax', jax.__version__)"
 # The one-process row once (with 2 workers); timed batches: 10 per worker, at least 40.
