@@ -17,7 +17,9 @@ import numpy as np
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def env_info() -> dict:
+def env_info(backend: bool = True) -> dict:
+    """Versions, cores and memory; with ``backend``, JAX's default backend too (which starts it:
+    a benchmark whose child processes use the accelerator passes False)."""
     info = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -32,7 +34,8 @@ def env_info() -> dict:
     try:
         import jax
 
-        info["jax_backend"] = jax.default_backend()
+        if backend:
+            info["jax_backend"] = jax.default_backend()
     except Exception:
         pass
     try:

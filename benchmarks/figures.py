@@ -61,7 +61,15 @@ class RowFailed(FigureError):
 #: Results files that may be absent: benchmarks that run only on an accelerator (``device``).
 #: Until such a file exists, its figures are not checked and a table that needs it says so
 #: instead of its rows; once it exists, it is checked like every other.
-OPTIONAL = ("device",)
+OPTIONAL = ("device", "pipeline_device")
+
+
+#: How each optional results file is made (on an accelerator host).
+MEASURED_BY = {
+    "device": "`python -m benchmarks.device --publish`",
+    "pipeline_device": "`bash benchmarks/device_pipeline.sh N` for 2, 6 and 12 workers, merged by "
+                       "`python -m benchmarks.pipeline --merge ... --name pipeline_device --out benchmarks/results`",
+}
 
 
 def absent(fig: Fig | Derived, results: str = RESULTS) -> bool:
@@ -185,6 +193,8 @@ FORMATS: dict[str, Callable[[float], str]] = {
     "x2": lambda v: f"{v:.2f}x", "n": lambda v: f"{v:,.0f}", "raw": str,
     "us": lambda v: f"{v * 1e6:.0f} us" if v >= 1e-5 else f"{v * 1e6:.1f} us",
     "mib": lambda v: f"{v / MiB:g} MiB",
+    "bps": lambda v: f"{v:.3g} batches/s", "rss": lambda v: f"{v:,.0f} MiB",
+    "cores": lambda v: f"{v:.2f} cores", "per_core": lambda v: f"{v:.3g} batches per CPU-second",
 }
 
 
@@ -595,6 +605,44 @@ def _engines() -> None:
                     FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
 
 
+def _pipeline() -> None:
+    # benchmarks/pipeline.py: batches of decoded JPEGs onto the device. ``pipeline.json``: here, 2
+    # workers; ``pipeline_device.json``: the accelerator host, 2, 6 and 12 workers (optional).
+    loaders = (("jt", "jaxtransport.data.Loader"), ("grain", "grain mp_prefetch"), ("torch", "torch DataLoader"),
+               ("grain1", "grain mp_prefetch, 1 thread a worker"))
+    for file, prefix, counts in (("pipeline", "pipeline", (2,)), ("pipeline_device", "pdev", (2, 6, 12))):
+        for n in counts:
+            tag = f"{prefix}.{n}"
+            FIGURES[f"{tag}.limit.bps"] = F(file, "batches_per_s", "bps", name="pipeline", transport="limit", workers=n)
+            for short, t in loaders + ((("one", "one process"),) if n == 2 else ()):
+                if file == "pipeline_device" and short in ("torch", "grain1"):
+                    continue  # torch is not carried to the accelerator host; one Grain row there
+                w = 1 if short == "one" else n
+                where = {"name": "pipeline", "transport": t, "workers": w}
+                FIGURES[f"{tag}.{short}.bps"] = F(file, "batches_per_s", "bps", **where)
+                FIGURES[f"{tag}.{short}.vs_limit"] = F(file, "vs_limit", "pct", **where)
+                FIGURES[f"{tag}.{short}.wait"] = F(file, "wait_share", "pct", **where)
+                FIGURES[f"{tag}.{short}.wait_balanced"] = F(file, "wait_share_balanced", "pct", **where)
+                FIGURES[f"{tag}.{short}.rss"] = F(file, "peak_rss_mib", "rss", **where)
+                FIGURES[f"{tag}.{short}.rss_tree"] = F(file, "peak_rss_tree_mib", "rss", **where)
+                FIGURES[f"{tag}.{short}.shm"] = F(file, "shm_left", "n", **where)
+                FIGURES[f"{tag}.{short}.leaks"] = F(file, "leak_warnings", "n", **where)
+                FIGURES[f"{tag}.{short}.cores"] = F(file, "cores_busy", "cores", **where)
+                FIGURES[f"{tag}.{short}.per_core"] = F(file, "batches_per_core_s", "per_core", **where)
+            FIGURES[f"{tag}.jt.vs_grain"] = F(file, "vs_grain", "x2", name="pipeline", transport=loaders[0][1], workers=n)
+    # ``pipeline_shared.json``: an earlier run here while other jobs used the machine (load 7 to 12): what
+    # each loader got of the cores. Its peak RSS of the loop's process was read wrongly (getrusage) and
+    # is not kept; its runs drained the batches made ahead by the first rule of Note [steady state]
+    # (3 waits in a row, without the 16 batches per worker).
+    for short, t in loaders + (("one", "one process"),):
+        where = {"name": "pipeline", "transport": t, "workers": 1 if short == "one" else 2}
+        FIGURES[f"pshared.2.{short}.bps"] = F("pipeline_shared", "batches_per_s", "bps", **where)
+        FIGURES[f"pshared.2.{short}.cores"] = F("pipeline_shared", "cores_busy", "cores", **where)
+        FIGURES[f"pshared.2.{short}.per_core"] = F("pipeline_shared", "batches_per_core_s", "per_core", **where)
+    FIGURES["pshared.2.jt.vs_grain"] = F("pipeline_shared", "vs_grain", "x2", name="pipeline",
+                                         transport=loaders[0][1], workers=2)
+
+
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
 PREVIOUS = ("pool", "executor", "queue", "rollouts_atari")
 
@@ -609,6 +657,7 @@ _platforms()
 _device()
 _rollouts_scale()
 _engines()
+_pipeline()
 _previous()
 
 
@@ -720,7 +769,10 @@ HEADERS = {
               "/ speedup over stock | source: results file, date, and for each figure its runs and spread "
               "((max - min) / median of the runs) |",
     "remeasure": "| figure | previous run | this run | what changed | source: results files, dates, runs and spread |",
+    "pipeline": "| question | Grain, torch, one process | `jaxtransport.data.Loader` | against Grain | source: results "
+                "file, date, and for each figure its runs and spread ((max - min) / median of the runs) |",
 }
+HEADERS["pipeline_device"] = HEADERS["pipeline"]
 
 
 #: Tables shown without their provenance: each row's question links to the heading (its title's
@@ -763,7 +815,7 @@ def render_sections(name: str, results: str = RESULTS) -> str:
 
 
 #: Tables whose figures were measured on an accelerator: their footer names the machine so.
-ON_DEVICE = ("device",)
+ON_DEVICE = ("device", "pipeline_device")
 
 
 def _table_keys(name: str) -> list[str]:
@@ -778,9 +830,9 @@ def render_table(name: str, results: str = RESULTS) -> str:
     missing = sorted({f for k in _table_keys(name) if k in FIGURES and absent(FIGURES[k], results)
                       for f in FIGURES[k].files() if f in OPTIONAL})
     if missing:
+        how = "; ".join(MEASURED_BY.get(f, MEASURED_BY["device"]) for f in missing)
         return ("Not measured yet: " + ", ".join(f"`benchmarks/results/{f}.json`" for f in missing)
-                + " is not there (it is measured only on an accelerator: `python -m benchmarks.device "
-                "--publish`, then `python -m benchmarks.publish`).")
+                + f" is not there (it is measured only on an accelerator: {how}, then `python -m benchmarks.publish`).")
     if name in SECTIONS:
         return render_sections(name, results)
     linked = LINKED.get(name)
@@ -1049,8 +1101,54 @@ DEVICE_ROWS = [
         "{device.queue.vs_limit} D2H / {device.queue.speedup}"),
 ]
 
+#: ``benchmarks/pipeline.py`` (``<!-- figures:pipeline begin -->`` in docs/guides/input-pipelines.md): here.
+PIPELINE_ROWS = [
+    Row("batches/s, 2 workers: the limit (2 x one process's rate of making a batch) {pipeline.2.limit.bps}; one "
+        "process {pipeline.2.one.bps}",
+        "Grain `mp_prefetch`: {pipeline.2.grain.bps} ({pipeline.2.grain.vs_limit} of the limit); torch "
+        "`DataLoader`: {pipeline.2.torch.bps} ({pipeline.2.torch.vs_limit})",
+        "{pipeline.2.jt.bps} ({pipeline.2.jt.vs_limit} of the limit)", "{pipeline.2.jt.vs_grain} Grain"),
+    Row("share of the time the loop waits for the next batch: the step a jitted reduction / the step as long as "
+        "a batch takes at the limit",
+        "Grain: {pipeline.2.grain.wait} / {pipeline.2.grain.wait_balanced}; torch: {pipeline.2.torch.wait} / "
+        "{pipeline.2.torch.wait_balanced}; one process: {pipeline.2.one.wait} / {pipeline.2.one.wait_balanced}",
+        "{pipeline.2.jt.wait} / {pipeline.2.jt.wait_balanced}", ""),
+    Row("peak RSS: the loop's process / the whole process tree (shared memory counted in each process mapping it)",
+        "Grain: {pipeline.2.grain.rss} / {pipeline.2.grain.rss_tree}; torch: {pipeline.2.torch.rss} / "
+        "{pipeline.2.torch.rss_tree}; one process: {pipeline.2.one.rss}",
+        "{pipeline.2.jt.rss} / {pipeline.2.jt.rss_tree}", ""),
+    Row("the cores each loader got (its processes' CPU seconds over the wall time) / "
+        "batches per CPU-second it got",
+        "Grain: {pipeline.2.grain.cores} / {pipeline.2.grain.per_core}; Grain, 1 thread a worker: "
+        "{pipeline.2.grain1.cores} / {pipeline.2.grain1.per_core}; torch: {pipeline.2.torch.cores} / "
+        "{pipeline.2.torch.per_core}; one process: {pipeline.2.one.cores} / {pipeline.2.one.per_core}",
+        "{pipeline.2.jt.cores} / {pipeline.2.jt.per_core}", ""),
+    Row("Grain with one thread in each worker (`ReadOptions(num_threads=1)`; its default is 16)",
+        "{pipeline.2.grain1.bps} ({pipeline.2.grain1.vs_limit} of the limit)", "{pipeline.2.jt.bps}", ""),
+    Row("`/dev/shm` entries left once the loader is closed / the resource tracker's leaked shared_memory objects",
+        "Grain: {pipeline.2.grain.shm} / {pipeline.2.grain.leaks}; torch: {pipeline.2.torch.shm} / "
+        "{pipeline.2.torch.leaks}", "{pipeline.2.jt.shm} / {pipeline.2.jt.leaks}", ""),
+]
+
+#: The same on the accelerator host (``pipeline_device.json``, ``benchmarks/device_pipeline.sh``).
+PIPELINE_DEVICE_ROWS = [
+    Row(f"batches/s, {n} workers, batches on the chip: the limit {{pdev.{n}.limit.bps}}"
+        + ("; one process {pdev.2.one.bps}" if n == 2 else ""),
+        f"Grain `mp_prefetch`: {{pdev.{n}.grain.bps}} ({{pdev.{n}.grain.vs_limit}} of the limit)",
+        f"{{pdev.{n}.jt.bps}} ({{pdev.{n}.jt.vs_limit}} of the limit)", f"{{pdev.{n}.jt.vs_grain}} Grain")
+    for n in (2, 6, 12)
+] + [
+    Row("share of the time the loop waits, 12 workers: the step a jitted reduction / as long as a batch at the limit",
+        "Grain: {pdev.12.grain.wait} / {pdev.12.grain.wait_balanced}", "{pdev.12.jt.wait} / {pdev.12.jt.wait_balanced}",
+        ""),
+    Row("12 workers: peak RSS of the loop's process / of the process tree; `/dev/shm` entries left",
+        "Grain: {pdev.12.grain.rss} / {pdev.12.grain.rss_tree}; {pdev.12.grain.shm}",
+        "{pdev.12.jt.rss} / {pdev.12.jt.rss_tree}; {pdev.12.jt.shm}", ""),
+]
+
 TABLES: dict[str, list[Row]] = {"readme": README_ROWS, "headline": README_ROWS, "benchmarks": BENCHMARKS_ROWS,
-                                "remeasure": REMEASURE_ROWS, "device": DEVICE_ROWS}
+                                "remeasure": REMEASURE_ROWS, "device": DEVICE_ROWS,
+                                "pipeline": PIPELINE_ROWS, "pipeline_device": PIPELINE_DEVICE_ROWS}
 
 
 # ------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ BENCHMARKS = (
     ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),
     ("platforms", "benchmarks.platforms"),
+    ("pipeline", "benchmarks.pipeline"),
     ("device", "benchmarks.device"),
 )
 

@@ -72,8 +72,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "multiprocessing":  # the subpackage, imported on first use (it registers nothing)
-        return importlib.import_module(".multiprocessing", __name__)
+    if name in ("data", "multiprocessing"):  # the subpackages, imported on first use (they register nothing)
+        return importlib.import_module(f".{name}", __name__)
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

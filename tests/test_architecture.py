@@ -34,6 +34,7 @@ CHECKED = (
     "jaxtransport.multiprocessing",
     "jaxtransport.rollouts",
     "jaxtransport.joblib",
+    "jaxtransport.data",
 )
 # The layers below the top level, which the top-level modules may import (through each
 # package's ``__init__``, its interface): the OS facilities, one interface per facility

@@ -356,3 +356,32 @@ def test_the_demo_learns_on_the_device_with_actors_on_the_cpu(device):
     runs = [rollouts.train(cfg, t, out=io.StringIO(), err=io.StringIO()) for t in ("jaxtransport", "stock")]
     assert runs[0].params_sha256 == runs[1].params_sha256  # identical learning, both transports
     assert runs[0].returns == runs[1].returns
+
+
+# -- jaxtransport.data
+
+
+def _image_of(i, rng):
+    """A 3 MiB uint8 image and a float32 vector from the index alone (the workers run on the CPU)."""
+    r = np.random.default_rng(int(i))
+    return {"image": r.integers(0, 256, (1024, 1024, 3), dtype=np.uint8), "x": r.random(5).astype(np.float32)}
+
+
+def test_loader_batches_land_on_the_device_in_pieces_and_on_a_one_device_mesh(device):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxtransport.data import Loader
+
+    want = [_image_of(i, None) for i in range(16)]
+    mesh = Mesh(np.array([device]), ("data",))
+    for sharding in (None, mesh):
+        with Loader(range(16), _image_of, batch_size=8, workers=2, sharding=sharding) as loader:
+            batches = list(loader)  # 24 MiB of uint8 each: pieces, joined on the chip
+        assert len(batches) == 2
+        for k, b in enumerate(batches):
+            assert _platform(b["image"]) == device.platform and _platform(b["x"]) == device.platform
+            if sharding is not None:
+                assert b["image"].sharding == NamedSharding(mesh, PartitionSpec("data"))
+            expected = np.stack([w["image"] for w in want[8 * k : 8 * k + 8]])
+            assert _same_bytes(b["image"], expected)
+            assert _same_bytes(b["x"], np.stack([w["x"] for w in want[8 * k : 8 * k + 8]]))
