@@ -18,7 +18,9 @@ sent again would time nothing; each row is warmed up by one untimed send first):
   32, 64): K slices cut by one jitted function, each started by ``copy_to_host_async``, then
   each taken by ``np.asarray`` (K host arrays, no joining copy: joining them into one warm host
   buffer cost more than the pieces saved on the TPU v5e); K views of the host array put by one
-  ``device_put`` of the list and joined on the device by one jitted ``concatenate``.
+  ``device_put`` of the list and joined on the device by one jitted ``concatenate``. The slices
+  also as the codec cuts them (``LANE_PIECE_COUNTS``: uint32 rows of ``LANES``), and the pieces
+  exactly as ``jt.dumps`` fetches them (``D2H_CODEC``).
 - ``D2H limit`` / ``H2D limit`` (made by :func:`finish`): the fastest of those copies in the
   run, naming its method (``method``, e.g. "D2H: 32 slices, copy_to_host_async"); each row's
   ``limit_method`` names the one it is measured against. On the TPU v5e (issue 49, 256 MiB)
@@ -108,6 +110,11 @@ def d2h_pieces(k: int, lanes: int = 0) -> str:
 #: the next (jt.dumps, cut this way, 22.5 ms in both): the limit is the fastest of both shapes.
 LANE_PIECE_COUNTS = (32, 64)
 LANES = 256  # jaxtransport._codec.LANES
+#: And the pieces exactly as ``jt.dumps`` fetches them (``_codec._fetch_in_pieces``: one jitted
+#: split into 8 MiB pieces as uint32 rows of 256, all started at once, each its own host
+#: buffer), the pickling left out: in the two runs where the slices above took 71-107 ms,
+#: jt.dumps took 22.5-22.7 ms, as in the run where they took 21.5 ms.
+D2H_CODEC = "pieces as jt.dumps fetches them, copy_to_host_async"
 
 
 def h2d_pieces(k: int) -> str:
@@ -316,6 +323,7 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
         measure(D2H[0], d2h_pieces(k), _slices_fetched_at_once(n, k))
     for k in LANE_PIECE_COUNTS:
         measure(D2H[0], d2h_pieces(k, LANES), _slices_fetched_at_once(n, k, LANES))
+    measure(D2H[0], D2H_CODEC, _fetched_as_the_codec_does)
     for k in PIECE_COUNTS:
         measure(H2D[0], h2d_pieces(k), _pieces_put_at_once(n, k), prepare=lambda: host)
 
@@ -472,6 +480,17 @@ def _slices_fetched_at_once(n: int, k: int, lanes: int = 0):
         return [np.asarray(p) for p in pieces]
 
     return send
+
+
+def _fetched_as_the_codec_does(x):
+    """D2H as ``jt.dumps`` fetches a large one-device array (Note [pickled in pieces]); whole by
+    ``np.asarray`` where it would go whole (an array on the CPU: the smoke run)."""
+    import numpy as np
+
+    from jaxtransport import _codec
+
+    got = _codec._fetch_in_pieces(x)
+    return np.asarray(x) if got is None else got[1]
 
 
 def _pieces_put_at_once(n: int, k: int):
