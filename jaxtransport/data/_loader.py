@@ -378,8 +378,12 @@ class _Stream:
         pending: collections.deque = collections.deque()
         stopping = self.stopping
         try:
-            while not stopping.is_set():
-                while len(pending) < self.prefetch:
+            while True:  # not `while <test>:` (Note [loops that end in a test] in jaxtransport._lockorder)
+                if stopping.is_set():
+                    break
+                while True:
+                    if len(pending) >= self.prefetch:
+                        break
                     epoch, number = self.advance()
                     if epoch < self.floor:
                         continue
