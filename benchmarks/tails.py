@@ -175,13 +175,15 @@ def _parent_read(x) -> tuple[float, int, float]:
     return time.monotonic() - t0, faults, cpu
 
 
-def _pool_argument(pool, make, rounds: int) -> _Rounds:
+def _sent_rounds(make, rounds: int, send) -> _Rounds:
+    """Rounds of an array made here and sent: ``send(x)`` returns the receiver's ``(arrived,
+    end, faults, cpu)`` (:func:`receive`)."""
     out = _Rounds()
     for i in range(WARMUP + rounds):
         x, (prod, pf, pc) = make()
         gc.collect()
         t1 = time.monotonic()
-        arrived, end, faults, cpu = pool.apply(receive, (x,))
+        arrived, end, faults, cpu = send(x)
         t2 = time.monotonic()
         del x
         if i >= WARMUP:
@@ -191,6 +193,10 @@ def _pool_argument(pool, make, rounds: int) -> _Rounds:
             out.add("ack", t2 - end)
             out.add("round", t2 - t1)
     return out
+
+
+def _pool_argument(pool, make, rounds: int) -> _Rounds:
+    return _sent_rounds(make, rounds, lambda x: pool.apply(receive, (x,)))
 
 
 def _pool_result(pool, n: int, rounds: int) -> _Rounds:
@@ -243,22 +249,13 @@ def _queue(ctx, make, rounds: int) -> _Rounds:
     chan, ack = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consume, args=(chan, ack), daemon=True)
     proc.start()
-    out = _Rounds()
+
+    def send(x):
+        chan.put(x)
+        return ack.get(timeout=600)
+
     try:
-        for i in range(WARMUP + rounds):
-            x, (prod, pf, pc) = make()
-            gc.collect()
-            t1 = time.monotonic()
-            chan.put(x)
-            arrived, end, faults, cpu = ack.get(timeout=600)
-            t2 = time.monotonic()
-            del x
-            if i >= WARMUP:
-                out.add("production", prod, pf, pc)
-                out.add("transfer", arrived - t1)
-                out.add("receiver", end - arrived, faults, cpu)
-                out.add("ack", t2 - end)
-                out.add("round", t2 - t1)
+        out = _sent_rounds(make, rounds, send)
     finally:
         chan.put(None)
         proc.join(30)
