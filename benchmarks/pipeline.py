@@ -281,12 +281,20 @@ def child(spec: dict) -> dict:
     shm_before = _shm()
     peak = _Peak()
     peak.start()
+    t_start = time.perf_counter()
+
+    def progress(what: str) -> None:  # stderr: where a run that timed out had got to
+        print(f"[{spec['loader']} x{spec['workers']}] {what} at {time.perf_counter() - t_start:.1f} s",
+              file=sys.stderr, flush=True)
+
     it, close, on_device = _batches(spec["loader"], spec["workers"], source)
+    progress("started")
     out: dict = {}
     try:
         for _ in range(spec["warmup"]):
             b = next(it)
             step(b if on_device else jax.device_put(b)).block_until_ready()
+        progress(f"{spec['warmup']} warm-up batches")
         # Drain what the loader made ahead while it started (Note [steady state]).
         drained, waits_in_a_row = 0, 0
         while (waits_in_a_row < 3 or drained < 16 * spec["workers"]) and drained < drain_max:
@@ -295,7 +303,10 @@ def child(spec: dict) -> dict:
             waits_in_a_row = waits_in_a_row + 1 if time.perf_counter() - t >= 0.3 * spec["step_s"] else 0
             step(b if on_device else jax.device_put(b)).block_until_ready()
             drained += 1
+            if drained % 50 == 0:
+                progress(f"{drained} batches drained")
         out["drained"] = drained
+        progress(f"drained {drained}")
         for phase, pad in (("", 0.0), ("_balanced", spec.get("step_s") or 0.0)):
             if phase and not pad:
                 continue
@@ -318,6 +329,7 @@ def child(spec: dict) -> dict:
             out[f"batches_per_s{phase}"] = spec["batches"] / elapsed
             out[f"wait_share{phase}"] = waited / elapsed
             out[f"cores_busy{phase}"] = (_tree_cpu_s() - cpu) / elapsed
+            progress(f"timed phase{phase or ' (free-running)'} done")
     finally:
         del it
         close()
