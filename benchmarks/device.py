@@ -100,9 +100,10 @@ MARK = "@@device-json "  # the line of a probe's stdout that holds its result
 PIECE_COUNTS = (8, 16, 32, 64)
 
 
-def d2h_pieces(k: int, lanes: int = 0) -> str:
+def d2h_pieces(k: int, lanes: int = 0, threads: int = 0) -> str:
     shape = f" as uint32 rows of {lanes}" if lanes else ""
-    return f"{k} slices{shape}, copy_to_host_async"
+    taken = f", np.asarray in {threads} threads" if threads else ""
+    return f"{k} slices{shape}, copy_to_host_async{taken}"
 
 
 #: The slices again as the codec cuts them (Note [device to host in chunks]): the bytes as uint32,
@@ -115,6 +116,11 @@ LANES = 256  # jaxtransport._codec.LANES
 #: buffer), the pickling left out: in the two runs where the slices above took 71-107 ms,
 #: jt.dumps took 22.5-22.7 ms, as in the run where they took 21.5 ms.
 D2H_CODEC = "pieces as jt.dumps fetches them, copy_to_host_async"
+#: And the slices each taken by ``np.asarray`` in one of THREADS threads of a plain
+#: ThreadPoolExecutor: taking a piece is a host copy too (the runtime's staging into a new
+#: buffer, whose pages fault in), and at 57201de the run whose slices took 71-107 ms on one
+#: thread had the Pool's argument, which takes its pieces in threads, at 25-28 ms.
+THREADS = 8
 
 
 def h2d_pieces(k: int) -> str:
@@ -323,6 +329,8 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
         measure(D2H[0], d2h_pieces(k), _slices_fetched_at_once(n, k))
     for k in LANE_PIECE_COUNTS:
         measure(D2H[0], d2h_pieces(k, LANES), _slices_fetched_at_once(n, k, LANES))
+    for k in LANE_PIECE_COUNTS:
+        measure(D2H[0], d2h_pieces(k, 0, THREADS), _slices_fetched_at_once(n, k, 0, THREADS))
     measure(D2H[0], D2H_CODEC, _fetched_as_the_codec_does)
     for k in PIECE_COUNTS:
         measure(H2D[0], h2d_pieces(k), _pieces_put_at_once(n, k), prepare=lambda: host)
@@ -457,11 +465,13 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
     return rows
 
 
-def _slices_fetched_at_once(n: int, k: int, lanes: int = 0):
+def _slices_fetched_at_once(n: int, k: int, lanes: int = 0, threads: int = 0):
     """D2H in ``k`` pieces: one jitted function cuts a device array of ``n`` elements into ``k``
     slices (with ``lanes``: each as uint32 rows of that many, the codec's cut); each slice's copy
     starts (``copy_to_host_async``), then each is taken by ``np.asarray`` (``k`` host arrays: no
-    joining copy)."""
+    joining copy), in ``threads`` threads side by side where given."""
+    import concurrent.futures
+
     import jax
     import numpy as np
     from jax import lax
@@ -473,10 +483,14 @@ def _slices_fetched_at_once(n: int, k: int, lanes: int = 0):
     else:
         split = jax.jit(lambda a: [a[s:s + per] for s in range(0, n, per)])
 
+    pool = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+
     def send(x):
         pieces = split(x)
         for p in pieces:
             p.copy_to_host_async()
+        if pool is not None:
+            return list(pool.map(np.asarray, pieces))
         return [np.asarray(p) for p in pieces]
 
     return send

@@ -18,6 +18,7 @@ LIMITS = {device.D2H, device.H2D, (device.D2H[0], device.D2H_AGAIN), (device.H2D
 LIMITS |= {(device.D2H[0], device.d2h_pieces(k)) for k in device.PIECE_COUNTS}
 LIMITS |= {(device.D2H[0], device.d2h_pieces(k, device.LANES)) for k in device.LANE_PIECE_COUNTS}
 LIMITS |= {(device.D2H[0], device.D2H_CODEC)}
+LIMITS |= {(device.D2H[0], device.d2h_pieces(k, 0, device.THREADS)) for k in device.LANE_PIECE_COUNTS}
 LIMITS |= {(device.H2D[0], device.h2d_pieces(k)) for k in device.PIECE_COUNTS}
 MEASURED = (LIMITS | {(q, t) for q, t, _ in device.QUESTIONS} | {(q, s) for q, _, s in device.QUESTIONS if s}
             | {(q, t) for q, t, _ in device.RAY_QUESTIONS})

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import jaxtransport as jt
-from jaxtransport import _codec, _compat
+from jaxtransport import _codec, _compat, _copies
 
 from .conftest import dtype_params
 from .test_decode_validation import craft, loads_peak, meta
@@ -62,8 +64,11 @@ def _onto_accelerator(monkeypatch):
     monkeypatch.setattr(_codec, "_default_platform", lambda: "tpu")
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", dtype_params(DTYPES))
-def test_every_dtype_round_trips_bit_exact(pieces, monkeypatch, dtype):
+def test_every_dtype_round_trips_bit_exact(pieces, monkeypatch, dtype, threads):
+    """Taken on the caller's thread, or by copy threads (``_take_all``)."""
+    monkeypatch.setattr(_copies, "COPY_THREADS", threads)
     a = _bits(dtype, (300, 40))
     x = jnp.asarray(a)
     data, buffers = jt.dumps(x)
@@ -250,3 +255,32 @@ def test_pieces_in_any_order_and_shards_across_are_placed_exactly(monkeypatch, a
     empty = (((0, 2), (0, 0)), ((2, 4), (0, 0)))  # zero-size pieces: nothing to put in pieces
     data, bufs = craft(meta("int32", (4, 0), empty), np.zeros(0, np.uint8), np.zeros(0, np.uint8))
     assert jt.loads(data, bufs).shape == (4, 0)
+
+
+def test_a_piece_that_fails_to_arrive_raises_once_no_piece_is_still_being_taken(pieces, monkeypatch):
+    """The pieces are taken by copy threads; one that fails (here the second) raises in the
+    caller of ``jt.dumps``, after every piece under way has been taken or cancelled."""
+    monkeypatch.setattr(_copies, "COPY_THREADS", 3)
+    running, calls, lock = [0], [0], threading.Lock()
+    real = np.asarray
+
+    def slow(a, *args, **kwargs):
+        if isinstance(a, jax.Array):
+            with lock:
+                calls[0] += 1
+                running[0] += 1
+                mine = calls[0]
+            try:
+                time.sleep(0.05)
+                if mine == 2:
+                    raise RuntimeError("piece 2 failed")
+            finally:
+                with lock:
+                    running[0] -= 1
+        return real(a, *args, **kwargs)
+
+    x = jnp.arange(40_000, dtype=jnp.float32)
+    monkeypatch.setattr(_codec.np, "asarray", slow)
+    with pytest.raises(RuntimeError, match="piece 2 failed"):
+        jt.dumps(x)
+    assert running[0] == 0
