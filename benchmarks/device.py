@@ -252,6 +252,12 @@ class _Env:
 
 CPU_CHILD = {"JAX_PLATFORMS": "cpu"}
 TASK_TIMEOUT = 60.0  # seconds one timed send may take before its row fails
+#: Untimed rounds before a Pool's or a queue's timed ones: the steady state, where each
+#: shared-memory slot the rounds rotate through has been used once. With one, the queue's row
+#: on the v5e had a round of 678-725 ms in each run (a new 256 MiB segment's first touch) and
+#: medians of 37-43 ms against minima of 25-28, while benchmarks/tails.py (3 warm-up rounds, 50
+#: timed) had its round at p50 30.6 ms, p99 32.0 ms. First uses are benchmarks/first_call.py's.
+STEADY_WARMUP = 3
 
 
 def environment() -> dict:
@@ -408,7 +414,7 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
             rows.append(_row(name, size, transport, error=pool_error))
             _print(rows[-1])
         else:
-            measure(name, transport, send, prepare=prepare)
+            measure(name, transport, send, prepare=prepare, warmup=STEADY_WARMUP)
 
     pool_row("Pool argument", jt_q["Pool argument"][0],
              lambda x: jpool.apply_async(checksum, (x,)).get(TASK_TIMEOUT))
@@ -446,7 +452,7 @@ def _transfer_rows(size: int, runs: int) -> list[dict]:
                 q.put(convert(x))
                 return ack.get(timeout=TASK_TIMEOUT)
 
-            measure("Queue", transport, one)
+            measure("Queue", transport, one, warmup=STEADY_WARMUP)
             q.put(None)
             proc.join(10)
         except Exception as exc:  # noqa: BLE001
