@@ -604,16 +604,17 @@ def _engines() -> None:
                     FIGURES[f"{key}.of_limit"] = F("rollouts_engines", "limit_share", "pct", **where)
                     FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
     # rollouts_engines_tpu.json: the TPU v5e host (13 cores, the learner on the chip), envpool only
-    # (the bundle carries no OpenCV for gymnasium's rows), 12 actors, 8 iterations.
-    for backend, tag in backends:
-        where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend}
-        key = f"tpu_engines.12.envpool.{tag}"
-        FIGURES[f"{key}.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
-        if backend != "limit":
-            FIGURES[f"{key}.ratio"] = F("rollouts_engines_tpu", "ratio", "x2", **where)
-            FIGURES[f"{key}.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
-            FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
-            FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
+    # (the bundle carries no OpenCV for gymnasium's rows), 2, 4, 8 and 12 actors, 8 iterations.
+    for actors in (2, 4, 8, 12):
+        for backend, tag in backends:
+            where = {"name": "rollouts-engines-pong", "actors": actors, "engine": "envpool", "backend": backend}
+            key = f"tpu_engines.{actors}.envpool.{tag}"
+            FIGURES[f"{key}.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
+            if backend != "limit":
+                FIGURES[f"{key}.ratio"] = F("rollouts_engines_tpu", "ratio", "x2", **where)
+                FIGURES[f"{key}.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
+                FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
+                FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
 
 
 def _pipeline() -> None:
