@@ -47,3 +47,16 @@ def test_the_runs_of_each_worker_count_merge_into_the_device_table(tmp_path):
 def test_without_the_device_file_the_table_says_how_to_make_it(tmp_path):
     table = figures.render_table("pipeline_device", str(tmp_path))
     assert "Not measured yet" in table and "device_pipeline.sh" in table
+
+
+def test_a_worker_count_the_published_runs_left_out_says_so_in_its_row(tmp_path):
+    """Only 12 workers ran (one device command each; the session's time ran out before 2 and 6):
+    those rows say they were not measured, the 12 workers' row has its figures."""
+    results = tmp_path / "results"
+    pipeline._merge([_run_file(tmp_path, 12, False)], str(results), "pipeline_device")
+    table = figures.render_table("pipeline_device", str(results))
+    lines = table.splitlines()
+    for n in (2, 6):
+        row = next(line for line in lines if line.startswith(f"| batches/s, {n} workers"))
+        assert "not measured: the published runs did not run this case" in row, row
+    assert "114 batches/s (95% of the limit)" in table, table

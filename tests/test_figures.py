@@ -22,7 +22,10 @@ def test_every_named_figure_is_exactly_one_row_of_a_published_results_file():
     for key, fig in figures.FIGURES.items():
         if figures.absent(fig):  # an accelerator's results (device.json) not measured yet
             continue
-        figures.value_text(key)  # raises FigureError naming the file and the row
+        try:
+            figures.value_text(key)  # raises FigureError naming the file and the row
+        except figures.RowAbsent:  # a case an accelerator's published runs left out: its table says so
+            assert fig.file in figures.ON_DEVICE
 
 
 @pytest.mark.parametrize("page", figures.pages(ROOT))
