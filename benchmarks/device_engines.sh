@@ -5,6 +5,8 @@
 # machine with network; carried with the tree). The gymnasium engine needs ale-py and OpenCV
 # (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
 #   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller (one command: at most 10 minutes)
+#   LEARN=1 ACTORS=12 ITERATIONS=300 benchmarks/device_engines.sh   # the return over a long run instead
+#     (benchmarks/rollouts_learning.py: every backend from the same seed; the first actor count only)
 # Runs of other actor counts merge into one results file afterwards:
 #   python -m benchmarks.rollouts_engines --merge DIR1 DIR2 --name rollouts_engines_tpu --out benchmarks/results
 set -euo pipefail
@@ -28,6 +30,12 @@ export PYTHONDONTWRITEBYTECODE=1
 "$PY" -m benchmarks.atari_bundle check
 engines="--engine envpool"
 if "$PY" -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
+if [ -n "${LEARN:-}" ]; then  # the return over a long run, every backend (benchmarks/rollouts_learning.py)
+  "$PY" -m benchmarks.rollouts_learning --actors "${ACTORS%%,*}" --iterations "$ITERATIONS" --out "$OUT" \
+    --name "${NAME:-rollouts_learning}" \
+    2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_learning}.log"
+  exit
+fi
 "$PY" -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
   --name "${NAME:-rollouts_engines}" \
   2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_engines}.log"
