@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -229,6 +230,35 @@ def no_leaks(request):
             return not leaked
 
         assert wait_until(children_gone, 15), f"test left child processes alive: {sorted(leaked)}"
+
+
+class SlowPieces:
+    """``np.asarray`` standing in for the copy threads' take of a device piece: each call on a
+    ``jax.Array`` sleeps 50 ms, the ``fail_at``-th raises RuntimeError("piece N failed");
+    ``running`` is how many are under way, ``ended`` the calls that have ended (in order)."""
+
+    def __init__(self, asarray, fail_at: int):
+        self.real, self.fail_at = asarray, fail_at
+        self.running, self.calls, self.ended = 0, 0, []
+        self.lock = threading.Lock()
+
+    def __call__(self, a, *args, **kwargs):
+        import jax
+
+        if isinstance(a, jax.Array):
+            with self.lock:
+                self.calls += 1
+                self.running += 1
+                mine = self.calls
+            try:
+                time.sleep(0.05)
+                if mine == self.fail_at:
+                    raise RuntimeError(f"piece {mine} failed")
+            finally:
+                with self.lock:
+                    self.running -= 1
+                    self.ended.append(mine)
+        return self.real(a, *args, **kwargs)
 
 
 def run_python(code: str, *, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -22,6 +22,7 @@ import pytest
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
 from jaxtransport import _codec, _copies, _devices, _procenv
+from .conftest import SlowPieces
 
 
 _hosts = itertools.count()
@@ -269,33 +270,14 @@ def test_a_failed_piece_raises_only_after_every_copy_into_the_slot_ended(monkeyp
     monkeypatch.setattr(_codec, "CHUNK_BYTES", 4000)
     monkeypatch.setattr(_copies, "COPY_THREADS", 3)
     monkeypatch.setattr(_codec, "WINDOW_BYTES", 1 << 20)
-    running, ended, calls = [0], [], [0]
-    lock = threading.Lock()
-    real = np.asarray
-
-    def slow_asarray(a, *args, **kwargs):
-        if isinstance(a, jax.Array):
-            with lock:
-                calls[0] += 1
-                running[0] += 1
-                mine = calls[0]
-            try:
-                time.sleep(0.05)
-                if mine == 3:
-                    raise RuntimeError("piece 3 failed")
-            finally:
-                with lock:
-                    running[0] -= 1
-                    ended.append(mine)
-        return real(a, *args, **kwargs)
-
+    slow = SlowPieces(np.asarray, fail_at=3)
     x = jnp.arange(40_000, dtype=jnp.float32)
     dst = np.zeros(_codec.host_nbytes(x), np.uint8)
-    monkeypatch.setattr(_codec.np, "asarray", slow_asarray)
+    monkeypatch.setattr(_codec.np, "asarray", slow)
     with pytest.raises(RuntimeError, match="piece 3 failed"):
         _codec.copy_into(x, dst)
-    assert running[0] == 0  # nothing still copying when the error reached the caller
-    assert len(ended) < 40_000 * 4 // 4000 + 1  # the pieces not started were cancelled
+    assert slow.running == 0  # nothing still copying when the error reached the caller
+    assert len(slow.ended) < 40_000 * 4 // 4000 + 1  # the pieces not started were cancelled
 
 
 @pytest.mark.parametrize("nbytes", [5 << 20, 32 << 20, (40 << 20) + 4093])

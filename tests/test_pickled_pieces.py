@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport import _codec, _compat, _copies
 
-from .conftest import dtype_params
+from .conftest import SlowPieces, dtype_params
 from .test_decode_validation import craft, loads_peak, meta
 
 # Every kind of dtype: the PIECEWISE ones go in pieces, the others whole (the chip changed
@@ -261,26 +259,10 @@ def test_a_piece_that_fails_to_arrive_raises_once_no_piece_is_still_being_taken(
     """The pieces are taken by copy threads; one that fails (here the second) raises in the
     caller of ``jt.dumps``, after every piece under way has been taken or cancelled."""
     monkeypatch.setattr(_copies, "COPY_THREADS", 3)
-    running, calls, lock = [0], [0], threading.Lock()
-    real = np.asarray
-
-    def slow(a, *args, **kwargs):
-        if isinstance(a, jax.Array):
-            with lock:
-                calls[0] += 1
-                running[0] += 1
-                mine = calls[0]
-            try:
-                time.sleep(0.05)
-                if mine == 2:
-                    raise RuntimeError("piece 2 failed")
-            finally:
-                with lock:
-                    running[0] -= 1
-        return real(a, *args, **kwargs)
-
+    slow = SlowPieces(np.asarray, fail_at=2)
     x = jnp.arange(40_000, dtype=jnp.float32)
     monkeypatch.setattr(_codec.np, "asarray", slow)
     with pytest.raises(RuntimeError, match="piece 2 failed"):
         jt.dumps(x)
-    assert running[0] == 0
+    assert slow.running == 0
+    assert len(slow.ended) < 40_000 * 4 // 4096  # the pieces not started were cancelled
