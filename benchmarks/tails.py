@@ -4,7 +4,8 @@ process that runs it.
 
 Cases, 2 workers each (the queue: one consumer process), a new array every round. Steps:
 ``production`` (the sender makes the array), ``transfer`` (the array's way from the sender's
-last line to the receiver's first), ``receiver`` (the receiver reads all of it: ``jnp.sum``),
+last line to the receiver's first; where the parent sends through jaxtransport, split into
+``copy``, into shared memory, and ``delivery``, the rest), ``receiver`` (the receiver reads all of it: ``jnp.sum``),
 the tiny message the other way (``request`` / ``ack``), and ``round``:
 
 - ``Pool argument``: the parent makes the array, ``Pool.apply`` takes it to a worker, the
@@ -51,7 +52,8 @@ from . import _common
 MIB = 1 << 20
 JT, STOCK = "jaxtransport", "multiprocessing"
 CASES = ("Pool argument", "Pool result", "queue round", "Executor")
-STEPS = ("request", "production", "transfer", "worker", "transfer back", "receiver", "ack", "round")
+STEPS = ("request", "production", "transfer", "copy", "delivery", "worker", "transfer back", "receiver", "ack",
+         "round")
 WARMUP = 3
 # Arrays each worker makes before the rounds where workers make them: a worker's heap grows to its
 # working set over its first few (Note [a warm heap in workers]); 2 each left one worker's
@@ -175,23 +177,54 @@ def _parent_read(x) -> tuple[float, int, float]:
     return time.monotonic() - t0, faults, cpu
 
 
+class _CommitClock:
+    """While installed, when the parent's last ``jaxtransport._wire.commit`` ended: the copy of a
+    message's arrays into shared memory (from the chip, in pieces), before the message goes."""
+
+    def __enter__(self):
+        from jaxtransport import _wire
+
+        self.real, self.last = _wire.commit, None
+
+        def timed(*args, **kwargs):
+            out = self.real(*args, **kwargs)
+            self.last = time.monotonic()
+            return out
+
+        _wire.commit = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jaxtransport import _wire
+
+        _wire.commit = self.real
+
+
 def _sent_rounds(make, rounds: int, send) -> _Rounds:
     """Rounds of an array made here and sent: ``send(x)`` returns the receiver's ``(arrived,
-    end, faults, cpu)`` (:func:`receive`)."""
+    end, faults, cpu)`` (:func:`receive`). Through jaxtransport the transfer is also split at
+    the end of the parent's copy into shared memory: ``copy`` and ``delivery`` (the message's
+    way from there to the receiver's first line)."""
     out = _Rounds()
-    for i in range(WARMUP + rounds):
-        x, (prod, pf, pc) = make()
-        gc.collect()
-        t1 = time.monotonic()
-        arrived, end, faults, cpu = send(x)
-        t2 = time.monotonic()
-        del x
-        if i >= WARMUP:
-            out.add("production", prod, pf, pc)
-            out.add("transfer", arrived - t1)
-            out.add("receiver", end - arrived, faults, cpu)
-            out.add("ack", t2 - end)
-            out.add("round", t2 - t1)
+    with _CommitClock() as clock:
+        for i in range(WARMUP + rounds):
+            x, (prod, pf, pc) = make()
+            gc.collect()
+            clock.last = None
+            t1 = time.monotonic()
+            arrived, end, faults, cpu = send(x)
+            t2 = time.monotonic()
+            copied = clock.last
+            del x
+            if i >= WARMUP:
+                out.add("production", prod, pf, pc)
+                out.add("transfer", arrived - t1)
+                if copied is not None and t1 <= copied <= arrived:
+                    out.add("copy", copied - t1)
+                    out.add("delivery", arrived - copied)
+                out.add("receiver", end - arrived, faults, cpu)
+                out.add("ack", t2 - end)
+                out.add("round", t2 - t1)
     return out
 
 
