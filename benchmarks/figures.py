@@ -650,6 +650,9 @@ def _pipeline() -> None:
                 FIGURES[f"{tag}.{short}.leaks"] = F(file, "leak_warnings", "n", **where)
                 FIGURES[f"{tag}.{short}.cores"] = F(file, "cores_busy", "cores", **where)
                 FIGURES[f"{tag}.{short}.per_core"] = F(file, "batches_per_core_s", "per_core", **where)
+                if file == "pipeline":  # measured since the 90-batch windows (Note [steady state])
+                    FIGURES[f"{tag}.{short}.bps_late"] = F(file, "batches_per_s_late", "bps", **where)
+                    FIGURES[f"{tag}.{short}.idle"] = F(file, "cores_idle", "cores", **where)
             FIGURES[f"{tag}.jt.vs_grain"] = F(file, "vs_grain", "x2", name="pipeline", transport=loaders[0][1], workers=n)
     # ``pipeline_shared.json``: an earlier run here while other jobs used the machine (load 7 to 12): what
     # each loader got of the cores. Its peak RSS of the loop's process was read wrongly (getrusage) and
@@ -1145,6 +1148,12 @@ PIPELINE_ROWS = [
         "{pipeline.2.grain1.cores} / {pipeline.2.grain1.per_core}; torch: {pipeline.2.torch.cores} / "
         "{pipeline.2.torch.per_core}; one process: {pipeline.2.one.cores} / {pipeline.2.one.per_core}",
         "{pipeline.2.jt.cores} / {pipeline.2.jt.per_core}", ""),
+    Row("batches/s over the second half of the 90 timed batches alone (as the whole window: the window outlasts "
+        "what a loader made ahead) / the machine's idle cores meanwhile",
+        "Grain: {pipeline.2.grain.bps_late} / {pipeline.2.grain.idle}; Grain, 1 thread a worker: "
+        "{pipeline.2.grain1.bps_late} / {pipeline.2.grain1.idle}; torch: {pipeline.2.torch.bps_late} / "
+        "{pipeline.2.torch.idle}; one process: {pipeline.2.one.bps_late} / {pipeline.2.one.idle}",
+        "{pipeline.2.jt.bps_late} / {pipeline.2.jt.idle}", ""),
     Row("Grain with one thread in each worker (`ReadOptions(num_threads=1)`; its default is 16)",
         "{pipeline.2.grain1.bps} ({pipeline.2.grain1.vs_limit} of the limit)", "{pipeline.2.jt.bps}", ""),
     Row("`/dev/shm` entries left once the loader is closed / the resource tracker's leaked shared_memory objects",

@@ -24,14 +24,16 @@ The step: a jitted reduction over the batch (``jnp.sum``), waited for. Per row: 
 the share of the time the loop spent waiting for the next batch on the device (its ``next()``,
 and the ``device_put`` where the loop does it); ``cores_busy``: the CPU seconds of the loop's
 process and every process below it over the timed phase's wall time (on a shared machine, how
-much of it the loader got) and ``batches_per_core_s`` (batches per CPU-second it got); ``wait_share_balanced``: the same with the step
+much of it the loader got) and ``batches_per_core_s`` (batches per CPU-second it got);
+``cores_idle``: the machine's idle cores over the same time; ``batches_per_s_late``: the rate
+over the second half of the timed batches alone; ``wait_share_balanced``: the same with the step
 made to last as long as the pipeline takes to make a batch at its limit (``1 / limit``; the
 reduction, then a sleep: a step on the chip leaves the host's cores to the workers); peak RSS of
 the loop's process and of the whole process tree (sampled every 0.2 s, shared memory counted in
 every process that maps it); ``/dev/shm`` entries left after the loader is closed, and the
 resource tracker's "leaked shared_memory" warnings.
 
-``python -m benchmarks.pipeline [--workers 2,6,12] [--batches 30] [--reps 3] [--no-grain]
+``python -m benchmarks.pipeline [--workers 2,6,12] [--batches 90] [--reps 3] [--no-grain]
 [--no-torch] [--out DIR]`` writes ``pipeline.{md,json,png}`` (default: the scratch folder). Run the
 module itself on an accelerator host: ``python -m benchmarks`` starts JAX in its own process,
 which then holds the chip. Targets (issue 51): at 12 workers on the accelerator, >= 90% of the
@@ -215,6 +217,18 @@ def _tree_cpu_s() -> float:
     return mine
 
 
+def _idle_s() -> float:
+    """Seconds the machine's cores have been idle (``/proc/stat``: idle + iowait), all cores
+    together: over a timed phase, the cores the loader left unused (or, when low while the
+    loader's ``cores_busy`` is low too, the cores other work took)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 class _Peak(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -268,6 +282,20 @@ def _batches(kind: str, workers: int, source: Cycled) -> tuple[Any, Any, bool]:
 # Grain's threads may have had under way), whichever comes later: what was made ahead is gone,
 # the loader runs at its own pace (at most ``40 * workers + 40`` batches; ``drained`` says how
 # many), and then the timed phases start. The same rule for every loader.
+#
+# The timed phases are long (90 batches by default, not 30) for the same reason: each of Grain's
+# 16 threads a worker makes a whole batch (the ``batch`` is inside the threads' dataset), so
+# about 32 batches are under way at once at 2 workers, each finished in bursts, and a window of
+# 30 batches starts and ends at arbitrary points of that backlog: the CPU seconds spent in the
+# window are not those of the batches delivered in it. Measured here (each batch's arrival
+# time, 200-250 batches a run, 25-batch windows): Grain's windows ran at 2.7 to 6.9 batches/s
+# and 2.0 to 4.1 batches per CPU-second within one run, its whole runs at 4.0 to 5.8
+# batches/s and 2.7 to 3.3 batches per CPU-second, against one process's 3.5 to 3.8 and the
+# Loader's 3.6 to 3.9 (the published 30-batch windows had Grain at 3.79 to 8.35 batches/s and
+# 4.12 batches per CPU-second, above the limit). ``batches_per_s_late``: the rate over the
+# window's second half alone, a check that the window is long enough (it should match the
+# whole window's); ``cores_idle``: the machine's idle cores over the window (/proc/stat), which
+# tells a loader that left cores unused from one whose cores other work took.
 
 
 def child(spec: dict) -> dict:
@@ -312,14 +340,16 @@ def child(spec: dict) -> dict:
             if phase and not pad:
                 continue
             waited = 0.0
-            cpu = _tree_cpu_s()
+            cpu, idle = _tree_cpu_s(), _idle_s()
             start = time.perf_counter()
+            arrived = []
             for _ in range(spec["batches"]):
                 t = time.perf_counter()
                 b = next(it)
                 if not on_device:
                     b = jax.device_put(b)
                 t_step = time.perf_counter()
+                arrived.append(t_step)
                 waited += t_step - t
                 step(b).block_until_ready()
                 del b
@@ -330,6 +360,10 @@ def child(spec: dict) -> dict:
             out[f"batches_per_s{phase}"] = spec["batches"] / elapsed
             out[f"wait_share{phase}"] = waited / elapsed
             out[f"cores_busy{phase}"] = (_tree_cpu_s() - cpu) / elapsed
+            out[f"cores_idle{phase}"] = (_idle_s() - idle) / elapsed
+            half = len(arrived) // 2
+            if half >= 2:  # the rate over the window's second half alone (Note [steady state])
+                out[f"batches_per_s_late{phase}"] = (len(arrived) - 1 - half) / (arrived[-1] - arrived[half])
             progress(f"timed phase{phase or ' (free-running)'} done")
     finally:
         del it
@@ -429,7 +463,7 @@ def _importable(name: str) -> bool:
 def run(quick: bool = False, workers: tuple[int, ...] = (2,), batches: int | None = None, reps: int | None = None,
         files: int = 384, grain: bool = True, torch: bool = True, timeout: float = 600,
         grain_one_thread: bool = False, one_process: bool = True) -> list[dict]:
-    batches = batches or (10 if quick else 30)
+    batches = batches or (10 if quick else 90)
     reps = reps or (1 if quick else 3)
     warmup = 3
     make_files(files)
@@ -500,6 +534,10 @@ def _row(kind: str, workers: int, runs: list[dict], limit: float, cal: dict, err
                batches_per_core_s=statistics.median(r["batches_per_s"] / r["cores_busy"] for r in runs
                                                     if r.get("cores_busy")) if any(r.get("cores_busy") for r in runs)
                else None,
+               batches_per_s_late=median("batches_per_s_late"),
+               batches_per_s_late_runs=" ".join(f"{r['batches_per_s_late']:.2f}" for r in runs
+                                                if r.get("batches_per_s_late") is not None),
+               cores_idle=median("cores_idle"),
                batches_per_s_balanced=median("batches_per_s_balanced"),
                wait_share_balanced=median("wait_share_balanced"), peak_rss_mib=median("peak_rss_mib"),
                peak_rss_tree_mib=median("peak_rss_tree_mib"), shm_left=max(r["shm_left"] for r in runs),
@@ -539,7 +577,8 @@ def check_targets(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict] | None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--workers", default="2", help="comma-separated worker counts (default 2; the issue: 2,6,12)")
-    p.add_argument("--batches", type=int, help="timed batches per phase of a run (default 30; --quick 10)")
+    p.add_argument("--batches", type=int, help="timed batches per phase of a run (default 90; --quick 10): "
+                   "Note [steady state]")
     p.add_argument("--reps", type=int, help="rounds; each runs every loader once (default 3; --quick 1)")
     p.add_argument("--files", type=int, default=384, help="JPEGs to generate and cycle through (default 384)")
     p.add_argument("--no-grain", action="store_true", help="leave out Grain's row")
