@@ -36,9 +36,9 @@ else  # no pip: a wheel is a zip of what goes into site-packages
 fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import PIL, grain, jax; print('pillow', PIL.__version__, 'grain', grain.__version__ if hasattr(grain, '__version__') else '?', 'jax', jax.__version__)"
-# The one-process row once (with 2 workers); timed batches: 10 per worker, at least 40.
+# The one-process row once (with 2 workers). At 2 workers REPS=1 fits one device command (10 minutes).
 ONE=$([ "$WORKERS" = 2 ] || echo --no-one-process)
-BATCHES=${BATCHES:-$(( WORKERS * 10 > 40 ? WORKERS * 10 : 40 ))}
+BATCHES=${BATCHES:-90}  # timed batches a phase: the window benchmarks/pipeline.py uses (Note [steady state])
 "$PY" -m benchmarks.pipeline --workers "$WORKERS" --no-torch $ONE --batches "$BATCHES" --reps "${REPS:-3}" \
     --name "pipeline_device-$WORKERS" --out "$OUT" 2>&1 | tee "$OUT/pipeline-$WORKERS.log"
 echo "/dev/shm now: $(ls /dev/shm | wc -l) entries"
