@@ -13,7 +13,8 @@ Every row is one window of the run: its iterations cut into WINDOWS parts of equ
 mean return of the episodes that ended in it (``episodes`` of them), the env steps taken by its
 end (the plot's x) and the run's wall time by then. A run ``learns`` when the mean return of the
 episodes of its last window is above that of its first by more than twice the standard error of
-the difference (each window's episodes counted apart, at least MIN_EPISODES in each); the check
+the difference (each window's from the spread between its iterations' means, at least
+MIN_EPISODES episodes in each); the check
 prints each backend's verdict. A throughput run (``rollouts_engines``) is far too short for
 this: a Pong episode lasts about a thousand steps and its return moves only after millions.
 
@@ -31,6 +32,8 @@ import sys
 import time
 
 from jaxtransport import rollouts as demo
+
+from .rollouts_engines import _backend
 
 PLOT_X = "env_steps"
 PLOT_XLABEL = "env steps taken (all actors)"
@@ -51,10 +54,6 @@ WINDOWS = 8
 MIN_EPISODES = 10
 
 
-def _backend(backend: str, transport: str) -> str:
-    return backend if backend == "threads" else f"{backend}/{transport}"
-
-
 def windows(iterations: list, count: int = WINDOWS) -> list[dict]:
     """The run's iterations cut into ``count`` windows of equal length (the last takes the
     remainder): each window's episodes' mean return, their count and spread, the env steps
@@ -70,23 +69,28 @@ def windows(iterations: list, count: int = WINDOWS) -> list[dict]:
         ended = [(it.mean_return, it.episodes) for it in part if it.episodes]
         n = sum(k for _, k in ended)
         mean = sum(r * k for r, k in ended) / n if n else None
-        # The spread of episode returns within the window, from the iterations' means (each
-        # iteration's episodes taken as one group): a lower bound on the true spread, so the
-        # standard error below errs towards "not shown to learn".
-        var = (sum(k * (r - mean) ** 2 for r, k in ended) / (n - 1)) if n > 1 and mean is not None else None
+        # The standard error of that mean with each iteration's episodes as one group (only
+        # their mean is recorded): the spread between the iterations' means, weighted as the
+        # mean weighs them. None with fewer than two such iterations.
+        m = len(ended)
+        se = (math.sqrt(m / (m - 1) * sum((k / n) ** 2 * (r - mean) ** 2 for r, k in ended))
+              if m > 1 and mean is not None else None)
         out.append({"window": w + 1, "iterations": len(part), "episodes": n, "mean_return": mean,
-                    "return_sd": math.sqrt(var) if var is not None else None, "env_steps": steps, "wall_s": wall})
+                    "return_se": se, "env_steps": steps, "wall_s": wall})
     return out
 
 
 def learns(first: dict, last: dict) -> tuple[bool | str, float | None]:
     """Whether the last window's mean return is above the first's by more than twice the
     standard error of the difference; "too few episodes" when a window has fewer than
-    MIN_EPISODES. Returns (verdict, the difference)."""
+    MIN_EPISODES, "too few iterations with episodes" when one has no standard error. Returns
+    (verdict, the difference)."""
     if min(first["episodes"], last["episodes"]) < MIN_EPISODES:
         return "too few episodes", None
+    if first["return_se"] is None or last["return_se"] is None:
+        return "too few iterations with episodes", None
     diff = last["mean_return"] - first["mean_return"]
-    se = math.sqrt(sum((w["return_sd"] or 0.0) ** 2 / w["episodes"] for w in (first, last)))
+    se = math.sqrt(first["return_se"] ** 2 + last["return_se"] ** 2)
     return bool(diff > 2 * se) if se > 0 else bool(diff > 0), diff
 
 
@@ -102,7 +106,7 @@ def run(quick: bool = False, actors: int | None = None, iterations: int | None =
     iterations = iterations or (6 if quick else 200)
     rows: list[dict] = []
     for backend, transport in runs:
-        name = _backend(backend, transport)
+        name = _backend(backend, transport)  # rollouts_engines' names for the same runs
         cfg = demo.Config.for_env(game, backend=backend, workers=actors, engine=ENGINE, iterations=iterations,
                                   warmup=0)
         print(f"# rollouts-learning: {game}, {name}, {actors} actors, {iterations} iterations", flush=True)
