@@ -51,3 +51,9 @@ def test_check_targets_gives_each_backend_its_verdict():
     lines = learning.check_targets(rows)
     assert lines[0].startswith("PASS threads: mean return -21.00 (20 episodes)") and "-15.00" in lines[0]
     assert lines[1].startswith("MISS queue/stock: too few episodes"), lines[1]
+
+
+def test_a_window_whose_episodes_all_ended_in_one_iteration_has_no_standard_error():
+    parts = learning.windows(_its([(-21.0, 12), (0.0, 0), (-10.0, 6), (-9.0, 6)]), 2)
+    assert parts[0]["return_se"] is None and parts[1]["return_se"] is not None
+    assert learning.learns(parts[0], parts[1]) == ("too few iterations with episodes", None)
