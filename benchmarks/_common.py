@@ -4,6 +4,7 @@ against baselines measured in the same run."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import platform
@@ -109,6 +110,25 @@ def warm_memcpy(nbytes: int, reps: int) -> float:
     dst = np.zeros_like(src)
     np.copyto(dst, src)
     return timeit(lambda: np.copyto(dst, src), reps)[0]
+
+
+def put_in_pieces(h: np.ndarray, k: int) -> Any:
+    """``h`` on JAX's default device as ``k`` pieces along its first axis (the last one shorter
+    where they do not divide it), put by one ``device_put`` of the list (the transfers overlap)
+    and joined there by one jitted concatenate: a host-to-device limit (not waited for)."""
+    import jax
+
+    per = -(-len(h) // k)
+    parts = jax.device_put([h[s : s + per] for s in range(0, len(h), per)])
+    return _joiner(len(parts))(*parts)
+
+
+@functools.cache
+def _joiner(count: int) -> Callable[..., Any]:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda *parts: jnp.concatenate(parts))
 
 
 def fmt_size(n: int) -> str:

@@ -515,15 +515,11 @@ def _fetched_as_the_codec_does(x):
 
 def _pieces_put_at_once(n: int, k: int):
     """H2D in ``k`` pieces: views of a host array of ``n`` elements put by one ``device_put`` of
-    the list (the transfers overlap), joined on the device by one jitted concatenate."""
-    import jax
-    import jax.numpy as jnp
-
-    per = -(-n // k)
-    join = jax.jit(lambda *pieces: jnp.concatenate(pieces))
+    the list (the transfers overlap), joined on the device by one jitted concatenate
+    (``_common.put_in_pieces``)."""
 
     def send(h):
-        join(*jax.device_put([h[s:s + per] for s in range(0, n, per)])).block_until_ready()
+        _common.put_in_pieces(h, k).block_until_ready()
 
     return send
 

@@ -44,7 +44,6 @@ nothing left in /dev/shm by any loader.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -429,22 +428,8 @@ def _h2d_times(batch: dict, put) -> list[float]:
 def _put_in_pieces(host: dict) -> dict:
     import jax
 
-    out = {}
-    for k, v in host.items():
-        if v.ndim == 0 or v.shape[0] < H2D_PIECES:
-            out[k] = jax.device_put(v)
-            continue
-        parts = jax.device_put(np.array_split(v, H2D_PIECES))
-        out[k] = _joined(len(parts))(*parts)
-    return out
-
-
-@functools.cache
-def _joined(n: int):
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda *parts: jnp.concatenate(parts))
+    return {k: jax.device_put(v) if v.ndim == 0 or len(v) < H2D_PIECES else _common.put_in_pieces(v, H2D_PIECES)
+            for k, v in host.items()}
 
 
 def _spawn(args: list[str], timeout: float) -> tuple[dict | None, str]:
