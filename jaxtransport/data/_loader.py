@@ -167,7 +167,7 @@ class Loader:
             batch_size,
             self.seed,
             self.shuffle,
-            self.drop_remainder,
+            count,
             prefetch,
             device_prefetch,
             self.sharding,
@@ -290,14 +290,14 @@ class _Stream:
         batch_size: int,
         seed: int,
         shuffle: bool,
-        drop_remainder: bool,
+        per_epoch: int,
         prefetch: int,
         device_prefetch: int,
         sharding: Any,
     ):
         self.pool = pool
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
-        self.per_epoch = batches_per_epoch(n, batch_size, drop_remainder)
+        self.per_epoch = per_epoch
         self.prefetch, self.sharding = prefetch, sharding
         self.ready: queue.Queue = queue.Queue(device_prefetch)
         self.lock = threading.Lock()
