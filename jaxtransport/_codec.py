@@ -441,10 +441,11 @@ def _copy_in_pieces(
 # no joining copy anywhere on the sending side. Taking a piece is itself a host copy, from the
 # runtime's staging into that new buffer, which faults its pages in: in one run on the v5e every
 # fetch taken on one thread took 78-109 ms, ``jt.dumps`` 86 ms, while the Pool's argument, whose
-# pieces were taken in threads, took 25 ms; in the next run all of them took 21.4-22.7 ms. On a TPU v5e
-# (JAX 0.10.2, 256 MiB of float32) ``np.asarray`` of the whole array took 101 ms and 32 slices
-# fetched at once 43 ms (8 slices: 95 ms; 64: 76 ms); into one host buffer of the sender's own,
-# as tried at 776d1d5, the joining copy cost more than the pieces saved (311 ms against 107).
+# pieces were taken in threads, took 25 ms; in the next run all of them took 21.4-22.7 ms.
+# On a TPU v5e (JAX 0.10.2, 256 MiB of float32) ``np.asarray`` of the whole array took 101 ms and
+# 32 slices fetched at once 43 ms (8 slices: 95 ms; 64: 76 ms); into one host buffer of the
+# sender's own, as tried at 776d1d5, the joining copy cost more than the pieces saved (311 ms
+# against 107).
 #
 # The pieces travel as the array's shards do, in the same format (format 1: ``indices`` names
 # each piece's rows, one buffer per piece, each its own out-of-band pickle-5 buffer), so any
