@@ -22,6 +22,7 @@ import pytest
 import jaxtransport as jt
 import jaxtransport.multiprocessing as jmp
 from jaxtransport import _codec, _copies, _devices, _procenv
+
 from .conftest import SlowPieces
 
 
