@@ -611,8 +611,9 @@ def _engines() -> None:
                     FIGURES[f"{key}.of_limit"] = F("rollouts_engines", "limit_share", "pct", **where)
                     FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
     # rollouts_engines_tpu.json: the TPU v5e host (13 cores, the learner on the chip), envpool only
-    # (the bundle carries no OpenCV for gymnasium's rows), 2, 4, 8 and 12 actors, 8 iterations.
-    for actors in (2, 4, 8, 12):
+    # (the bundle carries no OpenCV for gymnasium's rows), 1 to 12 actors (one run each: 12 actors
+    # 30 iterations, the others 8).
+    for actors in (1, 2, 4, 8, 12):
         for backend, tag in backends:
             where = {"name": "rollouts-engines-pong", "actors": actors, "engine": "envpool", "backend": backend}
             key = f"tpu_engines.{actors}.envpool.{tag}"
