@@ -60,3 +60,17 @@ def test_a_worker_count_the_published_runs_left_out_says_so_in_its_row(tmp_path)
         row = next(line for line in lines if line.startswith(f"| batches/s, {n} workers"))
         assert "not measured: the published runs did not run this case" in row, row
     assert "114 batches/s (95% of the limit)" in table, table
+
+
+@pytest.mark.parametrize(("drift", "said"), [(0.02, False), (0.25, True), (-0.2, True), (None, False)])
+def test_a_wait_verdict_says_when_the_machine_changed_speed_during_the_run(drift, said):
+    """The calibration runs again after the rounds: when one process's batch took a tenth more or
+    less time than at the start, the balanced step (sized from the start's) was not the batch
+    time, and the wait verdict says so."""
+    rows = [{"name": "pipeline", "transport": pipeline.JT, "workers": 2, "batches_per_s": 6.0, "vs_limit": 0.75,
+             "wait_share_balanced": 0.2, "shm_left": 0, "leak_warnings": 0},
+            {"name": "pipeline", "transport": "limit", "workers": 2, "batches_per_s": 8.0}]
+    if drift is not None:
+        rows[1]["calibration_drift"] = drift
+    line = next(x for x in pipeline.check_targets(rows) if "balanced" in x or "as long as a batch" in x)
+    assert line.startswith("MISS") and ("calibration moved" in line) == said, line
