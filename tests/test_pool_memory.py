@@ -609,13 +609,15 @@ def test_worker_rebuilds_large_buffers_in_warm_memory_and_hands_it_back_when_idl
         first, warm = p.apply(fresh_result_faults, (n,))
         assert warm
         again = [p.apply(fresh_result_faults, (n,))[0] for _ in range(3)]
-        # 0 here; fresh pages are 33 faults (2 MiB pages) or 16,385 (4 KiB)
-        assert max(again) * 4 < max(first, 32), (first, again)
+        # 0 here; fresh pages are 33 faults (2 MiB pages) or 16,385 (4 KiB). The median: a task's
+        # faults are the whole process's, and one task in a run on a loaded CI machine also
+        # touched 4 MiB of other memory (1,025 faults); a heap that is not warm fails every task.
+        assert sorted(again)[1] * 4 < max(first, 32), (first, again)
         # A buffer XLA allocates on its own threads too (one arena), once the heap has grown
         # to the worker's working set (results' buffers may outlive the next task's start).
         x = jnp.zeros(n // 4, jnp.float32)
         made = [p.apply(computed_faults, (x + i,)) for i in range(10)]
-        assert max(made[-3:]) * 4 < max(made[0], 32), made
+        assert sorted(made[-5:])[2] * 4 < max(made[0], 32), made
     with jt.Pool(1, worker_env={_heap.IDLE_ENV: "1"}) as p:
         wpid = p.apply(os.getpid)
         busy = p.apply(fresh_result_rss, (n,))  # read in the task: the clock starts after it
