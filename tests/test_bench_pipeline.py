@@ -74,3 +74,15 @@ def test_a_wait_verdict_says_when_the_machine_changed_speed_during_the_run(drift
         rows[1]["calibration_drift"] = drift
     line = next(x for x in pipeline.check_targets(rows) if "balanced" in x or "as long as a batch" in x)
     assert line.startswith("MISS") and ("calibration moved" in line) == said, line
+
+
+def test_a_merged_file_flags_only_the_run_whose_machine_changed_speed():
+    """Each worker count of a merged file is its own run: its limit row's drift marks its verdict only."""
+    rows = []
+    for n, drift in ((2, 0.3), (6, 0.01)):
+        rows += [{"name": "pipeline", "transport": pipeline.JT, "workers": n, "batches_per_s": 6.0, "vs_limit": 0.75,
+                  "wait_share_balanced": 0.2, "shm_left": 0, "leak_warnings": 0},
+                 {"name": "pipeline", "transport": "limit", "workers": n, "batches_per_s": 8.0,
+                  "calibration_drift": drift}]
+    lines = [x for x in pipeline.check_targets(rows) if "as long as a batch" in x]
+    assert ["calibration moved" in x for x in lines] == [True, False], lines
