@@ -1,10 +1,10 @@
 """envpool's Atari engine for a host without network: a stripped bundle of wheels that travels with the tree.
 
-``python -m benchmarks.atari_bundle build WHEELS [--game pong]`` writes ``.wheels-atari/``
+``python -m benchmarks.atari_bundle build WHEELS [--game pong,breakout]`` writes ``.wheels-atari/``
 (git-ignored) from the wheels in ``WHEELS`` (``pip download --no-deps`` of the names in
 :data:`WHEELS` and envpool 1.2.5's): envpool holding only its Atari module (its wheel carries
 MuJoCo, VizDoom, Procgen, ... modules Atari does not use: 53 MB), envpool-assets holding only
-the game's ROM (62 MB with every asset), and the pure or small wheels envpool's Atari path
+the games' ROMs (62 MB with every asset), and the pure or small wheels envpool's Atari path
 imports (gymnasium, dm-env and theirs). Each stripped wheel is a valid wheel again (its RECORD
 rewritten), so pip could install it too.
 
@@ -62,17 +62,17 @@ def _record_line(path: str, data: bytes) -> str:
     return f"{path},sha256={digest},{len(data)}"
 
 
-def _keep(dist: str, member: str, game: str) -> bool:
+def _keep(dist: str, member: str, games: tuple[str, ...]) -> bool:
     if dist == "envpool":
         return member.startswith(_ENVPOOL_KEEP) or member == "envpool/entry.py" or ".dist-info/" in member
     if dist == "envpool_assets":
         if member.startswith("envpool_assets/atari/roms/"):
-            return os.path.basename(member) == f"{game}.bin"
+            return os.path.basename(member) in {f"{g}.bin" for g in games}
         return member == "envpool_assets/__init__.py" or ".dist-info/" in member
     return True
 
 
-def _rewrite(src: str, dst: str, game: str) -> None:
+def _rewrite(src: str, dst: str, games: tuple[str, ...]) -> None:
     """Copy the wheel ``src`` to ``dst`` keeping what :func:`_keep` keeps, with a new RECORD."""
     dist = _dist(src)
     records: list[str] = []
@@ -83,7 +83,7 @@ def _rewrite(src: str, dst: str, game: str) -> None:
             if name.endswith(".dist-info/RECORD"):
                 record_path = name
                 continue
-            if "__pycache__/" in name or not _keep(dist, name, game):
+            if "__pycache__/" in name or not _keep(dist, name, games):
                 continue
             data = zin.read(name)
             if dist == "envpool" and name == "envpool/entry.py":
@@ -96,8 +96,9 @@ def _rewrite(src: str, dst: str, game: str) -> None:
         zout.writestr(record_path, "\n".join(records) + "\n")
 
 
-def build(wheels: str, game: str = "pong", out: str = BUNDLE) -> list[str]:
-    """Write the bundle into ``out`` from the wheels in ``wheels``; returns the files written."""
+def build(wheels: str, games: tuple[str, ...] = ("pong",), out: str = BUNDLE) -> list[str]:
+    """Write the bundle into ``out`` from the wheels in ``wheels``, keeping the ROMs of
+    ``games``; returns the files written."""
     found = {}
     for f in sorted(os.listdir(wheels)):
         if f.endswith(".whl") and _dist(f) in WHEELS:
@@ -114,7 +115,7 @@ def build(wheels: str, game: str = "pong", out: str = BUNDLE) -> list[str]:
     written = []
     for dist, path in found.items():
         dst = os.path.join(out, os.path.basename(path))
-        _rewrite(path, dst, game)
+        _rewrite(path, dst, tuple(games))
         written.append(dst)
     return written
 
@@ -158,14 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write .wheels-atari/ from downloaded wheels")
     b.add_argument("wheels", help="a folder holding the wheels (pip download --no-deps)")
-    b.add_argument("--game", default="pong", help="the ROM to keep (envpool-assets' roms/<game>.bin)")
+    b.add_argument("--game", default="pong,breakout",
+                   help="the ROMs to keep, comma-separated (envpool-assets' roms/<game>.bin)")
     i = sub.add_parser("install", help="unpack the bundle's wheels this Python lacks into DIR")
     i.add_argument("dir")
     c = sub.add_parser("check", help="step the game once through the envpool engine")
     c.add_argument("--game", default="pong")
     args = p.parse_args(argv)
     if args.cmd == "build":
-        files = build(args.wheels, args.game)
+        files = build(args.wheels, tuple(g for g in args.game.split(",") if g))
         total = sum(os.path.getsize(f) for f in files)
         for f in files:
             print(f"  {os.path.relpath(f, ROOT)} {os.path.getsize(f) / 2**20:.2f} MiB")

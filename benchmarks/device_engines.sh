@@ -5,8 +5,9 @@
 # machine with network; carried with the tree). The gymnasium engine needs ale-py and OpenCV
 # (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
 #   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller (one command: at most 10 minutes)
-#   LEARN=1 ACTORS=12 ITERATIONS=300 benchmarks/device_engines.sh   # the return over a long run instead
-#     (benchmarks/rollouts_learning.py: every backend from the same seed; the first actor count only)
+#   LEARN=1 ACTORS=12 ITERATIONS=300 GAME=breakout benchmarks/device_engines.sh   # the return over a long
+#     run instead (benchmarks/rollouts_learning.py: every backend from the same seed; the first actor
+#     count only; RUNS=threads,queue/jaxtransport picks backends)
 # Runs of other actor counts merge into one results file afterwards:
 #   python -m benchmarks.rollouts_engines --merge DIR1 DIR2 --name rollouts_engines_tpu --out benchmarks/results
 set -euo pipefail
@@ -27,12 +28,12 @@ trap 'rm -rf "$site"' EXIT
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 "$PY" -c 'import jax; print("learner device:", jax.devices()[0])'
-"$PY" -m benchmarks.atari_bundle check
+"$PY" -m benchmarks.atari_bundle check --game "${GAME:-pong}"
 engines="--engine envpool"
 if "$PY" -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
 if [ -n "${LEARN:-}" ]; then  # the return over a long run, every backend (benchmarks/rollouts_learning.py)
   "$PY" -m benchmarks.rollouts_learning --actors "${ACTORS%%,*}" --iterations "$ITERATIONS" --out "$OUT" \
-    --name "${NAME:-rollouts_learning}" \
+    --name "${NAME:-rollouts_learning}" --game "${GAME:-pong}" ${RUNS:+--runs "$RUNS"} \
     2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_learning}.log"
   exit
 fi

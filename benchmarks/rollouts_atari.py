@@ -2,7 +2,7 @@
 
 The loop of ``python -m jaxtransport.rollouts --env pong`` (ALE Pong through gymnasium, the
 usual preprocessing, 4 stacked 84x84 frames, a small conv policy acting in each actor, the
-importance-weighted policy-gradient learner in this process) with 1 and 2 actors (and more
+PPO learner in this process) with 1 and 2 actors (and more
 where the machine has the cores), on:
 
 - ``threads``: actor threads and ``queue.Queue`` in the learner's process, nothing serialized

@@ -1,7 +1,7 @@
 """Rollouts on Atari by engine: env steps/s of actor processes (jaxtransport, stock) against cleanba's stack (actor threads over envpool)?
 
 The loop of ``python -m jaxtransport.rollouts --env pong`` (4 stacked 84x84 frames, a small
-conv policy, the importance-weighted policy-gradient learner in this process on its default
+conv policy, the PPO learner in this process on its default
 JAX device) at the given actor counts, with each environment engine (``--engine gymnasium``:
 gymnasium's wrappers over ale-py, holding the GIL; ``--engine envpool``: envpool's C++ pool,
 stepped with send/recv, the GIL released), on:

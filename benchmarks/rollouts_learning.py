@@ -1,7 +1,7 @@
 """Does the demo's Atari loop learn through every backend? The return over a long run (issue 50).
 
 ``python -m jaxtransport.rollouts --env pong --engine envpool`` (4 stacked 84x84 frames, the
-small conv policy, the importance-weighted policy-gradient learner on this process's default
+small conv policy, the PPO learner on this process's default
 JAX device), one run per backend from the same seed, each for the same number of iterations:
 
 - ``threads``: cleanba's design (actor threads over envpool, acting on the learner's device);
@@ -150,11 +150,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--actors", type=int, help="actor processes or threads (default 2)")
     p.add_argument("--iterations", type=int, help="iterations per run (default 200)")
     p.add_argument("--game", default="pong", help="an ALE game envpool has (default pong)")
+    p.add_argument("--runs", help="the backends to run, comma-separated (default: "
+                   + ",".join(_backend(b, t) for b, t in RUNS) + ")")
     p.add_argument("--out", help="write rollouts_learning.{json,md,png} to this folder")
     p.add_argument("--name", default="rollouts_learning", help="the results files' name with --out")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    rows = run(args.quick, args.actors, args.iterations, args.game)
+    runs = RUNS
+    if args.runs:
+        by_name = {_backend(b, t): (b, t) for b, t in RUNS}
+        unknown = [n for n in args.runs.split(",") if n not in by_name]
+        if unknown:
+            p.error(f"--runs: no backend {', '.join(unknown)}; choose from {', '.join(by_name)}")
+        runs = tuple(by_name[n] for n in args.runs.split(","))
+    rows = run(args.quick, args.actors, args.iterations, args.game, runs)
     if not args.out:  # write_outputs prints them with the files
         for line in check_targets(rows):
             print(line)

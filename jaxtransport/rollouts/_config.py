@@ -97,7 +97,7 @@ class Config:
 
 # An Atari iteration: 8 ALE environments x 64 steps per actor (x 4 frames skipped), 14 MiB of
 # stacked frames per actor; the conv policy's ~0.2 MiB is broadcast.
-ATARI_DEFAULTS = {"envs": 8, "steps": 64, "iterations": 30, "hidden": 64, "lr": 5e-4, "entropy_coef": 0.01}
+ATARI_DEFAULTS = {"envs": 8, "steps": 64, "iterations": 30, "hidden": 64, "lr": 2.5e-4, "entropy_coef": 0.01}
 
 
 @dataclasses.dataclass

@@ -125,8 +125,7 @@ def reinforce_loss(dense: dict, bag: jax.Array, batch: Batch, entropy_coef: floa
 
 def pg_loss(logits: jax.Array, batch: Batch, entropy_coef: float) -> jax.Array:
     """The importance-weighted policy-gradient surrogate of :func:`reinforce_loss` from the
-    policy's logits (B, actions): every policy the demo has (the tile-coded MLP of CartPole,
-    the convolutional one of Atari) takes its learner step through this one function.
+    policy's logits (B, actions) (CartPole's; Atari's learner is ``_conv.learn``'s PPO).
     ``batch.features`` is not read."""
     logp = jax.nn.log_softmax(logits)
     chosen = jnp.take_along_axis(logp, batch.actions[:, None], axis=-1)[:, 0]
