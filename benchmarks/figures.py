@@ -200,6 +200,7 @@ FORMATS: dict[str, Callable[[float], str]] = {
     "mib": lambda v: f"{v / MiB:g} MiB",
     "bps": lambda v: f"{v:.3g} batches/s", "rss": lambda v: f"{v:,.0f} MiB",
     "cores": lambda v: f"{v:.2f} cores", "per_core": lambda v: f"{v:.3g} batches per CPU-second",
+    "ret": lambda v: f"{v:.2f}",
 }
 
 
@@ -623,6 +624,29 @@ def _engines() -> None:
                 FIGURES[f"{key}.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
                 FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
+                FIGURES[f"{key}.stepping"] = F("rollouts_engines_tpu", "stepping_share", "pct", **where)
+    # The time one actor's step of its 8 environments took at 12 actors: in the queue's rollouts
+    # (its stepping share of the time per step) and in the limit's loop.
+    per_step = 12 * 8  # actors x environments
+    FIGURES["tpu_engines.12.envpool.queue_jt.step_ms"] = Derived(
+        ("tpu_engines.12.envpool.queue_jt.stepping", "tpu_engines.12.envpool.queue_jt.steps"),
+        lambda share, steps: share * per_step / steps, "ms")
+    FIGURES["tpu_engines.12.envpool.limit.step_ms"] = Derived(
+        ("tpu_engines.12.envpool.limit.steps",), lambda steps: per_step / steps, "ms")
+
+
+def _learning() -> None:
+    # rollouts_learning_tpu.json: Breakout through envpool, 12 actors on the TPU v5e host, the PPO
+    # learner on the chip, every backend from the same seed: the mean return of the episodes that
+    # ended in the first and last of 8 windows, and how many ended there.
+    for transport, tag in (("threads", "threads"), ("queue/jaxtransport", "queue_jt"),
+                           ("pool/jaxtransport", "pool_jt"), ("queue/stock", "queue_stock")):
+        for window, at in ((1, "first"), (8, "last")):
+            where = {"name": "rollouts-learning-breakout", "transport": transport, "window": window}
+            FIGURES[f"tpu_learning.{tag}.{at}"] = F("rollouts_learning_tpu", "mean_return", "ret", **where)
+            FIGURES[f"tpu_learning.{tag}.{at}_episodes"] = F("rollouts_learning_tpu", "episodes", "n", **where)
+        where = {"name": "rollouts-learning-breakout", "transport": transport, "window": 8}
+        FIGURES[f"tpu_learning.{tag}.steps"] = F("rollouts_learning_tpu", "env_steps", "n", **where)
 
 
 def _pipeline() -> None:
@@ -682,6 +706,7 @@ _platforms()
 _device()
 _rollouts_scale()
 _engines()
+_learning()
 _pipeline()
 _previous()
 

@@ -37,6 +37,8 @@ from .rollouts_engines import _backend
 
 PLOT_X = "env_steps"
 PLOT_XLABEL = "env steps taken (all actors)"
+PLOT_XSCALE = "linear"
+PLOT_XFORMAT = "{:,.0f}"
 PLOT_Y = "mean_return"
 PLOT_YLABEL = "mean return of the episodes that ended (higher is better)"
 LIMIT_TRANSPORTS = ()
@@ -144,6 +146,32 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def merge(files: list[str], out: str, name: str = "rollouts_learning") -> list[dict]:
+    """Write ``out``'s results from several runs' results files (one backend each, as
+    ``benchmarks/device_engines.sh`` with ``RUNS`` writes them): their rows, the first run's
+    environment and conditions before, the last's after, their seconds summed."""
+    import json
+
+    from benchmarks import run as runner
+
+    runs = []
+    for path in files:
+        with open(path) as f:
+            runs.append(json.load(f))
+    rows = [r for data in runs for r in data["rows"]]
+    names = [r["transport"] for data in runs for r in data["rows"][:1]]
+    if len(names) != len(set(names)):
+        raise SystemExit(f"the runs measured the same backend more than once ({names}): merge distinct runs")
+    cond = [data.get("conditions", {}) for data in runs]
+    runner.write_outputs(name, sys.modules[__name__], rows, out, sum(data.get("seconds", 0.0) for data in runs),
+                         any(data.get("quick") for data in runs), info=runs[0].get("environment"),
+                         generated=runs[-1].get("generated"),
+                         before={"loadavg": cond[0].get("loadavg_before"), "memcpy_gbps": cond[0].get("memcpy_gbps"),
+                                 "usable_cores": cond[0].get("usable_cores")},
+                         after={"loadavg": cond[-1].get("loadavg_after")})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 actors, 6 iterations: every backend runs")
@@ -154,7 +182,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    + ",".join(_backend(b, t) for b, t in RUNS) + ")")
     p.add_argument("--out", help="write rollouts_learning.{json,md,png} to this folder")
     p.add_argument("--name", default="rollouts_learning", help="the results files' name with --out")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="write --out/--name from these runs' results files instead of running")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out or ".", args.name)
     t0 = time.perf_counter()
     runs = RUNS
     if args.runs:

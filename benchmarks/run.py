@@ -14,8 +14,9 @@ environment the rows were measured in, when not this process's: ``device``). A `
 returns no rows was skipped (``device`` without an accelerator): nothing is written, the files
 of an earlier run stay, and that is no failure. Optional module attributes steer the
 plot (see :func:`plot`): ``PLOT_X`` / ``PLOT_Y`` (row keys; default ``size_bytes`` /
-``seconds``), ``PLOT_XLABEL`` / ``PLOT_YLABEL`` / ``PLOT_XFORMAT``, ``LIMIT_TRANSPORTS`` (rows
-drawn as a dashed limit, default ``memcpy``), ``BASELINE`` (the stock transport the speedup
+``seconds``), ``PLOT_XLABEL`` / ``PLOT_YLABEL`` / ``PLOT_XFORMAT`` / ``PLOT_XSCALE``
+(``"linear"``; default log), ``LIMIT_TRANSPORTS`` (rows drawn as a dashed limit, default
+``memcpy``), ``BASELINE`` (the stock transport the speedup
 panel divides by), ``LABELS``, ``ANNOTATE``, ``NO_SPEEDUP``, ``PLOT_TITLES``, ``PLOT_NOTE`` and
 ``plot_rows(rows)``.
 
@@ -207,7 +208,10 @@ def _x_axis(ax, module: Any, xs: list[float]) -> None:
     import matplotlib.ticker
 
     xk = getattr(module, "PLOT_X", "size_bytes")
-    ax.set_xscale("log", base=2 if xk == "size_bytes" else 10)
+    if getattr(module, "PLOT_XSCALE", "log") == "linear":
+        ax.set_xscale("linear")
+    else:
+        ax.set_xscale("log", base=2 if xk == "size_bytes" else 10)
     ticks = sorted(set(xs))
     fmt = getattr(module, "PLOT_XFORMAT", None)
     if xk == "size_bytes":
@@ -267,7 +271,7 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
     note = getattr(module, "PLOT_NOTE", "")
     ylabel = getattr(module, "PLOT_YLABEL",
                      "time per call (log scale; lower is better)" if yk == "seconds" else yk)
-    yfmt = fmt_seconds if yk == "seconds" else (lambda v: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    yfmt = fmt_seconds if yk == "seconds" else (lambda v: f"{v:,.0f}" if v >= 10 else f"{v:.3g}")
     with_speedup = bool(baseline) and any(baseline in s for s in groups.values())
     ncols = 2 if with_speedup else 1
     fig, axes = plt.subplots(len(groups), ncols, figsize=(7.2 * ncols, 4.9 * len(groups)),
