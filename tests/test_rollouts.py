@@ -146,6 +146,9 @@ def test_bad_sizes_are_refused():
         rollouts.Config(workers=0).validate()
     with pytest.raises(ValueError, match="--address"):
         rollouts.Config(address="127.0.0.1:6379").validate()
+    with pytest.raises(ValueError, match="--steps must be >= 2 for an Atari game"):
+        rollouts.Config.for_env("pong", steps=1).validate()
+    rollouts.Config(steps=1).validate()  # CartPole trains on every step
 
 
 def test_tiles_in_range_and_local():

@@ -81,6 +81,11 @@ class Config:
                 raise ValueError(
                     f"--frame-size must be >= {conv.MIN_FRAME} pixels for an Atari game, got {self.frame_size!r}"
                 )
+            if self.steps < 2:
+                raise ValueError(
+                    f"--steps must be >= 2 for an Atari game (the learner bootstraps each trajectory's returns "
+                    f"from its last step, and trains on the others), got {self.steps!r}"
+                )
 
     @property
     def atari(self) -> bool:
