@@ -304,13 +304,7 @@ def merge(folders: list[str], out: str, name: str = "rollouts_engines") -> list[
     counts = [r["actors"] for r in rows if r["backend"] == "limit"]
     if len(counts) != len(set(zip(counts, [r["engine"] for r in rows if r["backend"] == "limit"]))):
         raise SystemExit("the runs measured the same actor count and engine more than once: merge distinct runs")
-    cond = [data.get("conditions", {}) for data in runs]
-    runner.write_outputs(name, sys.modules[__name__], rows, out,
-                         sum(data.get("seconds", 0.0) for data in runs), any(data.get("quick") for data in runs),
-                         info=runs[0].get("environment"), generated=runs[-1].get("generated"),
-                         before={"loadavg": cond[0].get("loadavg_before"), "memcpy_gbps": cond[0].get("memcpy_gbps"),
-                                 "usable_cores": cond[0].get("usable_cores")},
-                         after={"loadavg": cond[-1].get("loadavg_after")})
+    runner.write_merged(name, sys.modules[__name__], runs, rows, out)
     return rows
 
 

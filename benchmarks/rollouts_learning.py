@@ -162,13 +162,7 @@ def merge(files: list[str], out: str, name: str = "rollouts_learning") -> list[d
     names = [r["transport"] for data in runs for r in data["rows"][:1]]
     if len(names) != len(set(names)):
         raise SystemExit(f"the runs measured the same backend more than once ({names}): merge distinct runs")
-    cond = [data.get("conditions", {}) for data in runs]
-    runner.write_outputs(name, sys.modules[__name__], rows, out, sum(data.get("seconds", 0.0) for data in runs),
-                         any(data.get("quick") for data in runs), info=runs[0].get("environment"),
-                         generated=runs[-1].get("generated"),
-                         before={"loadavg": cond[0].get("loadavg_before"), "memcpy_gbps": cond[0].get("memcpy_gbps"),
-                                 "usable_cores": cond[0].get("usable_cores")},
-                         after={"loadavg": cond[-1].get("loadavg_after")})
+    runner.write_merged(name, sys.modules[__name__], runs, rows, out)
     return rows
 
 

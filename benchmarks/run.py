@@ -399,6 +399,19 @@ def with_spread(rows: list[dict]) -> list[dict]:
     return out
 
 
+def write_merged(name: str, module: Any, runs: list[dict], rows: list[dict], out_dir: str) -> None:
+    """:func:`write_outputs` for ``rows`` merged from several runs' results files (``runs``, as
+    loaded): the first run's environment and conditions before, the last run's date and
+    conditions after, their seconds summed, quick if any was."""
+    first, last = runs[0].get("conditions", {}), runs[-1].get("conditions", {})
+    write_outputs(name, module, rows, out_dir, sum(data.get("seconds", 0.0) for data in runs),
+                  any(data.get("quick") for data in runs), info=runs[0].get("environment"),
+                  generated=runs[-1].get("generated"),
+                  before={"loadavg": first.get("loadavg_before"), "memcpy_gbps": first.get("memcpy_gbps"),
+                          "usable_cores": first.get("usable_cores")},
+                  after={"loadavg": last.get("loadavg_after")})
+
+
 def write_outputs(name: str, module: Any, rows: list[dict], out_dir: str, seconds: float,
                   quick: bool, info: dict | None = None, generated: str | None = None,
                   before: dict | None = None, after: dict | None = None) -> None:
