@@ -163,8 +163,7 @@ def learn(params, opt, trajs, lr, *, gamma: float, entropy_coef: float):
     frames = jnp.concatenate([t.frames for t in trajs], axis=1)  # (T, E, K, S, S)
     T, E = frames.shape[:2]
     flat = frames.reshape((T * E,) + frames.shape[2:])
-    _, values = apply_value(params, flat)
-    values = jax.lax.stop_gradient(values.reshape(T, E))
+    values = apply_value(params, flat)[1].reshape(T, E)  # before the steps: not differentiated
     rewards = jnp.concatenate([jnp.clip(t.rewards[:-1], -1.0, 1.0) for t in trajs], axis=1)
     discounts = gamma * (1.0 - jnp.concatenate([t.dones[:-1] for t in trajs], axis=1).astype(jnp.float32))
     adv, returns = gae(values[:-1], values[-1], rewards, discounts)
