@@ -145,6 +145,14 @@ def _eigen_threads() -> int:
     return n
 
 
+def _async_dispatch() -> bool | None:
+    """Whether JAX dispatches CPU computations to a thread of its own in this process (a pool
+    task); None for a JAX without the setting."""
+    import jax
+
+    return jax.config.values.get("jax_cpu_enable_async_dispatch")
+
+
 def _two_disjoint() -> cpus.Budget:
     """One core each for two actors on this machine (the learner's excluded where it has more
     than two cores; on two, each actor one of them, which is the test's point)."""
@@ -169,6 +177,9 @@ def test_spawned_actors_run_on_their_assigned_cores(backend, transport):
         if backend == "pool" and transport == "jaxtransport":
             # The budget reached XLA: one compute thread per worker, not one per core.
             assert be._pool.apply(_eigen_threads) == 1
+        if backend == "pool":
+            # And the worker runs its CPU computations on the calling thread (Note [acting inline]).
+            assert be._pool.apply(_async_dispatch) in (False, None)
 
 
 @pytest.mark.skipif(not LINUX_AFFINITY, reason="no sched_setaffinity on this host")

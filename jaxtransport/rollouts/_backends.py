@@ -83,17 +83,26 @@ def _probe(seconds: float) -> worker.ActorInfo:
 
 def _warm_up(env: dict[str, str], warm: tuple | None, cpus: cpus_budget.PoolCpus | Sequence[int] | None = None) -> None:
     """Pool initializer (and Ray actor's start): pin this process to its cores (``cpus``: a
-    Pool's budget, from which it claims a slot, or the cores themselves) and set the worker
-    environment, both before this process first uses JAX (whose thread pools are sized then),
-    then compile the rollout for this run's shapes, so every worker pays compilation while the
-    pool starts, not inside a timed iteration."""
+    Pool's budget, from which it claims a slot, or the cores themselves), set the worker
+    environment and run CPU computations inline (:func:`_enter_actor`), all before this process
+    first uses JAX (whose thread pools are sized then), then compile the rollout for this run's
+    shapes, so every worker pays compilation while the pool starts, not inside a timed
+    iteration."""
     global _ACTOR
     if isinstance(cpus, cpus_budget.PoolCpus):
         cpus = cpus.claim()
-    cpus_budget.apply(cpus)
-    apply_environ(env)
+    _enter_actor(env, cpus)
     _warm(warm)
     _ACTOR = worker.actor_info()
+
+
+def _enter_actor(env: dict[str, str], cpus: Sequence[int] | None) -> None:
+    """The start of an actor process (a Pool worker, a streaming actor, a Ray actor), before JAX
+    initialises there: pin it to ``cpus`` (its CPU budget), set the worker environment, and run
+    its CPU computations on the calling thread (``_worker``'s Note [acting inline])."""
+    cpus_budget.apply(cpus)
+    apply_environ(env)
+    worker.run_inline()
 
 
 def _warm(warm: tuple | None) -> None:
@@ -583,10 +592,10 @@ def actor_main(
     cpus: Sequence[int] | None = None,
     inference: tuple | None = None,
 ) -> None:
-    """A streaming actor process: pins itself to ``cpus`` (its CPU budget) and sets the worker
-    environment, both before JAX initialises here, then runs :func:`actor_loop`."""
-    cpus_budget.apply(cpus)
-    apply_environ(env)
+    """A streaming actor process: pins itself to ``cpus`` (its CPU budget), sets the worker
+    environment and runs CPU computations inline (:func:`_enter_actor`), all before JAX
+    initialises here, then runs :func:`actor_loop`."""
+    _enter_actor(env, cpus)
     actor_loop(index, params_q, traj_q, warm, seed, shape, max_lag, inference)
 
 
