@@ -28,7 +28,11 @@ waiting (the rest: for parameters, for the learner, for the queue), the learner'
 and whether learning progresses: the mean return of the episodes that ended in the later half
 of the iterations in which any ended, against the earlier half (the same loop for every row; a
 Pong episode lasts about a thousand steps and its return moves only after far more iterations
-than a throughput run has: ``learns`` is then noise, or "too few episodes"). The streaming backends run with ``--max-lag 1``.
+than a throughput run has: ``learns`` is then noise, or "too few episodes"). The streaming
+backends run with ``--max-lag 1`` (cleanba's: an actor is at most one rollout ahead of the
+learner's updates), and the jaxtransport queue once more with ``--max-lag 2``
+(``queue/jaxtransport --max-lag 2``): an iteration waits for the slowest actor's rollout, and a
+second rollout of slack lets the others run on meanwhile.
 
 Targets (issue 50), at the most actors measured (12 on the accelerator host): jaxtransport's
 best row >= 1.5x threads over envpool, and >= 80% of envpool's stepping limit.
@@ -59,6 +63,9 @@ LABELS = {
     "envpool threads": "envpool, actor threads (cleanba's design)",
     "gymnasium threads": "gymnasium, actor threads",
     "envpool queue/jaxtransport": "envpool, actor processes + jaxtransport.multiprocessing",
+    "envpool queue/jaxtransport --max-lag 2": "envpool, actor processes + jaxtransport.multiprocessing, --max-lag 2",
+    "gymnasium queue/jaxtransport --max-lag 2": (
+        "gymnasium, actor processes + jaxtransport.multiprocessing, --max-lag 2"),
     "gymnasium queue/jaxtransport": "gymnasium, actor processes + jaxtransport.multiprocessing",
     "envpool pool/jaxtransport": "envpool, jaxtransport.Pool",
     "gymnasium pool/jaxtransport": "gymnasium, jaxtransport.Pool",
@@ -73,20 +80,22 @@ PLOT_TITLES = {"rollouts-engines-pong": "ALE Pong by engine, 8 envs x 64 steps p
 
 GAME = "pong"
 ENGINES = ("gymnasium", "envpool")
-# (backend, transport, inference): "learner" is --inference learner (SEED RL's central inference).
-RUNS = (("threads", "none", "actor"), ("queue", "jaxtransport", "actor"), ("pool", "jaxtransport", "actor"),
-        ("queue", "stock", "actor"), ("queue", "jaxtransport", "learner"))
+# (backend, transport, inference, max_lag): "learner" is --inference learner (SEED RL's central
+# inference); max_lag is --max-lag (the streaming backends'; the Pool ignores it).
+RUNS = (("threads", "none", "actor", 1), ("queue", "jaxtransport", "actor", 1), ("queue", "jaxtransport", "actor", 2),
+        ("pool", "jaxtransport", "actor", 1), ("queue", "stock", "actor", 1), ("queue", "jaxtransport", "learner", 1))
 TARGET_VS_THREADS = 1.5
 TARGET_OF_LIMIT = 0.8
 
 
-def _backend(backend: str, transport: str = "none", inference: str = "actor") -> str:
+def _backend(backend: str, transport: str = "none", inference: str = "actor", max_lag: int = 1) -> str:
     name = backend if backend in ("threads", "limit") else f"{backend}/{transport}"
-    return f"{name}+central-inference" if inference == "learner" else name
+    name = f"{name}+central-inference" if inference == "learner" else name
+    return name if max_lag == 1 else f"{name} --max-lag {max_lag}"
 
 
-def _key(engine: str, backend: str, transport: str = "none", inference: str = "actor") -> str:
-    return f"{engine} {_backend(backend, transport, inference)}"
+def _key(engine: str, backend: str, transport: str = "none", inference: str = "actor", max_lag: int = 1) -> str:
+    return f"{engine} {_backend(backend, transport, inference, max_lag)}"
 
 
 def _load() -> float:
@@ -158,7 +167,7 @@ def _returns(res) -> tuple[float | None, float | None, str]:
     return means[0], means[1], "/".join(str(sum(it.episodes for it in h)) for h in halves)
 
 
-def _row(engine: str, backend: str, transport: str, inference: str, res, actors: int) -> dict:
+def _row(engine: str, backend: str, transport: str, inference: str, max_lag: int, res, actors: int) -> dict:
     """A training run's row. The split is the slowest actor's, summed over the timed
     iterations, of its time: its rollouts (acting, then stepping: the rest of the rollout) and
     the rest of the wall time (waiting). Streaming actors roll out while the learner updates,
@@ -172,10 +181,10 @@ def _row(engine: str, backend: str, transport: str, inference: str, res, actors:
     return {
         "name": f"rollouts-engines-{GAME}",
         "size_bytes": int(statistics.median(it.bytes_moved for it in timed)),
-        "transport": _key(engine, backend, transport, inference),
+        "transport": _key(engine, backend, transport, inference, max_lag),
         "seconds": statistics.median(it.wall_s for it in timed),
         "engine": engine,
-        "backend": _backend(backend, transport, inference),
+        "backend": _backend(backend, transport, inference, max_lag),
         "actors": actors,
         "env_steps_per_s": timed[0].env_steps / statistics.median(it.wall_s for it in timed),
         "acting_share": act / total,
@@ -208,14 +217,14 @@ def run(quick: bool = False, actors: list[int] | None = None, iterations: int | 
             loads = [_load()]
             print(f"# rollouts-engines: {engine} limit, {n} actors (load {loads[0]:.1f})", flush=True)
             limit = stepping_limit(engine, n, limit_steps)
-            for backend, transport, inference in runs:
+            for backend, transport, inference, max_lag in runs:
                 cfg = demo.Config.for_env(GAME, backend=backend, workers=n, engine=engine, inference=inference,
-                                          iterations=iterations, warmup=2)
-                print(f"# rollouts-engines: {_key(engine, backend, transport, inference)}, {n} actors, "
+                                          iterations=iterations, warmup=2, max_lag=max_lag)
+                print(f"# rollouts-engines: {_key(engine, backend, transport, inference, max_lag)}, {n} actors, "
                       f"{iterations} iterations (load {_load():.1f})", flush=True)
                 loads.append(_load())
                 res = demo.train(cfg, transport, out=io.StringIO(), err=io.StringIO())
-                out.append(_row(engine, backend, transport, inference, res, n))
+                out.append(_row(engine, backend, transport, inference, max_lag, res, n))
             load = f"{min(loads):.1f}-{max(loads):.1f}"
             cfg = demo.Config.for_env(GAME)
             out.append({"name": f"rollouts-engines-{GAME}", "size_bytes": 0,
@@ -251,7 +260,7 @@ def _print(r: dict) -> None:
                  f"{100 * r['waiting_share']:3.0f}%  learner {r['learner_s']:.3f}s  return "
                  f"{_num(r['return_early'])} -> {_num(r['return_late'])} "
                  f"({r['episodes_early_late']} episodes)")
-    print(f"  {r['transport']:28s} {r['actors']:2d} actors {r['env_steps_per_s']:8,.0f} env steps/s  "
+    print(f"  {r['transport']:40s} {r['actors']:2d} actors {r['env_steps_per_s']:8,.0f} env steps/s  "
           f"{100 * r['limit_share']:3.0f}% of limit" + split, flush=True)
 
 
