@@ -626,7 +626,8 @@ def _engines() -> None:
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
                 FIGURES[f"{key}.stepping"] = F("rollouts_engines_tpu", "stepping_share", "pct", **where)
     # The jaxtransport queue with --max-lag 2 (a second rollout of slack), measured at 12 actors only.
-    where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": "queue/jaxtransport --max-lag 2"}
+    where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool",
+             "backend": "queue/jaxtransport --max-lag 2"}
     FIGURES["tpu_engines.12.envpool.queue_jt_lag2.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
     FIGURES["tpu_engines.12.envpool.queue_jt_lag2.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
     # rollouts_engines_tpu_repeat.json: a second run of the queue's two rows and the limit at 12

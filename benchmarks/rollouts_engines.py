@@ -32,7 +32,8 @@ than a throughput run has: ``learns`` is then noise, or "too few episodes"). The
 backends run with ``--max-lag 1`` (cleanba's: an actor is at most one rollout ahead of the
 learner's updates), and the jaxtransport queue once more with ``--max-lag 2``
 (``queue/jaxtransport --max-lag 2``): an iteration waits for the slowest actor's rollout, and a
-second rollout of slack lets the others run on meanwhile.
+second rollout of slack lets the others run on meanwhile (on the TPU host, at 12 actors, it did
+not raise the rate: docs/rollouts.md).
 
 Targets (issue 50), at the most actors measured (12 on the accelerator host): jaxtransport's
 best row >= 1.5x threads over envpool, and >= 80% of envpool's stepping limit.
