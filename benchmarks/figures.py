@@ -613,7 +613,7 @@ def _engines() -> None:
                     FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
     # rollouts_engines_tpu.json: the TPU v5e host (13 cores, the learner on the chip), envpool only
     # (the bundle carries no OpenCV for gymnasium's rows), 1 to 12 actors (one run each: 12 actors
-    # 30 iterations, the others 8).
+    # 24 iterations with the actors acting inline, the others 8).
     for actors in (1, 2, 4, 8, 12):
         for backend, tag in backends:
             where = {"name": "rollouts-engines-pong", "actors": actors, "engine": "envpool", "backend": backend}
