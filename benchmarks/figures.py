@@ -625,21 +625,18 @@ def _engines() -> None:
                 FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
                 FIGURES[f"{key}.stepping"] = F("rollouts_engines_tpu", "stepping_share", "pct", **where)
-    # The jaxtransport queue with --max-lag 2 (a second rollout of slack), measured at 12 actors only.
-    where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool",
-             "backend": "queue/jaxtransport --max-lag 2"}
-    FIGURES["tpu_engines.12.envpool.queue_jt_lag2.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
-    FIGURES["tpu_engines.12.envpool.queue_jt_lag2.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
-    # rollouts_engines_tpu_repeat.json: a second run of the queue's two rows and the limit at 12
-    # actors, the same code on a fresh machine.
-    for backend, tag in (("queue/jaxtransport", "queue_jt"), ("queue/jaxtransport --max-lag 2", "queue_jt_lag2"),
-                         ("limit", "limit")):
-        where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend}
-        FIGURES[f"tpu_engines_repeat.12.envpool.{tag}.steps"] = F("rollouts_engines_tpu_repeat", "env_steps_per_s",
-                                                                  "steps", **where)
-        if backend != "limit":
-            FIGURES[f"tpu_engines_repeat.12.envpool.{tag}.of_limit"] = F("rollouts_engines_tpu_repeat", "limit_share",
-                                                                         "pct", **where)
+    # 12 actors only: the jaxtransport queue with --max-lag 2 (a second rollout of slack); and
+    # rollouts_engines_tpu_repeat.json, a second run of the queue's two rows and the limit, the
+    # same code on a fresh machine.
+    lag2 = ("queue/jaxtransport --max-lag 2", "queue_jt_lag2")
+    queue_jt, limit = ("queue/jaxtransport", "queue_jt"), ("limit", "limit")
+    for file, prefix, rows in (("rollouts_engines_tpu", "tpu_engines", (lag2,)),
+                               ("rollouts_engines_tpu_repeat", "tpu_engines_repeat", (queue_jt, lag2, limit))):
+        for backend, tag in rows:
+            where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend}
+            FIGURES[f"{prefix}.12.envpool.{tag}.steps"] = F(file, "env_steps_per_s", "steps", **where)
+            if backend != "limit":
+                FIGURES[f"{prefix}.12.envpool.{tag}.of_limit"] = F(file, "limit_share", "pct", **where)
     # The time one actor's step of its 8 environments took at 12 actors: in the queue's rollouts
     # (its stepping share of the time per step) and in the limit's loop.
     per_step = 12 * 8  # actors x environments
