@@ -242,11 +242,19 @@ def _limit_label(labels: dict, transport: str) -> str:
     return labels.get(transport, default)
 
 
+def _wrapped(title: str, ncols: int) -> str:
+    """A panel's title on lines short enough not to run into the next panel's."""
+    import textwrap
+
+    return textwrap.fill(title, 70 if ncols > 1 else 120)
+
+
 def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
     """One row of two panels per question with a size sweep (``plot_series``):
 
     - left: ``PLOT_Y`` against size (default: seconds per call, so small messages show their
-      latency), one line per transport, limits (``LIMIT_TRANSPORTS``) dashed;
+      latency), one line per transport, limits (``LIMIT_TRANSPORTS``) black, dashed (a
+      panel's second limit dotted);
     - right, when the module names a ``BASELINE`` transport: how many times faster than it,
       at each size, the values written at the points of ``ANNOTATE`` (default: every line);
       ``NO_SPEEDUP`` transports are left out of it (``PLOT_NOTE`` says why).
@@ -278,6 +286,14 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
                              squeeze=False)
     colors: dict[str, str] = {}
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = {t for series in groups.values() for t in series if t not in limits}
+    if len(drawn) > len(palette):  # more lines than the default cycle has colours: no colour twice
+        palette = [matplotlib.colors.to_hex(c) for c in plt.get_cmap("tab20").colors]
+    dashes = ("--", ":", "-.")  # the first limit of a panel dashed, a second dotted, ...
+
+    def limit_style(series: dict, transport: str) -> str:
+        shown = [t for t in limits if t in series]
+        return "k" + dashes[shown.index(transport) % len(dashes)]
 
     def color(t: str) -> str:
         return colors.setdefault(t, palette[len(colors) % len(palette)])
@@ -290,13 +306,13 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
             px, py = [p[0] for p in pts], [p[1] for p in pts]
             label = labels.get(transport, transport)
             if transport in limits:
-                ax.plot(px, py, "k--", linewidth=1.5, label=_limit_label(labels, transport))
+                ax.plot(px, py, limit_style(series, transport), linewidth=1.5, label=_limit_label(labels, transport))
             else:
                 ax.plot(px, py, "o-", color=color(transport), label=label)
         _x_axis(ax, module, xs)
         _y_axis(ax, [p[1] for pts in series.values() for p in pts], yfmt)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{name}: {title}" if title else name)
+        ax.set_title(_wrapped(f"{name}: {title}" if title else name, ncols))
         ax.grid(True, which="major", alpha=0.3)
         if not with_speedup:
             continue
@@ -308,7 +324,8 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
         for transport, pts in sorted(ratios.items(), key=lambda kv: kv[0] in limits):
             px, py = [p[0] for p in pts], [p[1] for p in pts]
             if transport in limits:
-                ax.plot(px, py, "k--", linewidth=1.5, label=_limit_label(labels, transport))
+                ax.plot(px, py, limit_style(ratios, transport), linewidth=1.5,
+                        label=_limit_label(labels, transport))
                 continue
             ax.plot(px, py, "o-", color=color(transport), label=labels.get(transport, transport))
             if annotate is None or transport in annotate:
@@ -326,7 +343,7 @@ def plot(name: str, module: Any, rows: list[dict], path: str) -> bool:
             ax.set_ylim(lo, hi * 2)  # room for the labels
         base_label = labels.get(baseline, baseline).split(":")[0].split(" (")[0]
         ax.set_ylabel(f"times faster than {base_label}")
-        ax.set_title(f"{name}: {title}, speedup" if title else f"{name}: speedup")
+        ax.set_title(_wrapped(f"{name}: {title}, speedup" if title else f"{name}: speedup", ncols))
         ax.grid(True, which="major", alpha=0.3)
     # One legend for the figure, below the panels (a transport has one colour everywhere).
     fig.tight_layout()

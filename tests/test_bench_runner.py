@@ -190,6 +190,30 @@ def test_speedup_panel_says_how_many_times_faster_at_each_size(tmp_path, monkeyp
                                      if r.get("transport") == "jaxtransport"]
 
 
+def test_two_limits_in_a_panel_differ_and_no_colour_is_used_twice(tmp_path, monkeypatch):
+    """A panel's second limit is drawn dotted (the first dashed), and with more lines than the
+    default colour cycle has, no two lines share a colour."""
+    drawn = []
+    import matplotlib.axes
+
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), args[2] if len(args) > 2 else None, kwargs.get("color")))
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    sizes = (1 << 10, 1 << 20)
+    names = [f"t{i}" for i in range(12)] + ["lim a", "lim b"]
+    rows = [{"name": "q", "size_bytes": s, "transport": t, "seconds": 1.0} for t in names for s in sizes]
+    mod = _module("m", LIMIT_TRANSPORTS=("lim a", "lim b"))
+    assert runner.plot("m", mod, rows, str(tmp_path / "m.png"))
+    styles = {label: style for label, style, _ in drawn}
+    assert (styles["lim a (limit)"], styles["lim b (limit)"]) == ("k--", "k:")
+    colours = [colour for label, _, colour in drawn if label in names]
+    assert len(colours) == 12 and len(set(colours)) == 12
+
+
 @pytest.mark.parametrize("name", [n for n, _ in runner.BENCHMARKS])
 def test_published_results_replot_without_measuring(name, tmp_path, monkeypatch):
     """The committed JSON of every benchmark redraws (tables and plots) with the current
