@@ -5,6 +5,7 @@
 # machine with network; carried with the tree). The gymnasium engine needs ale-py and OpenCV
 # (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
 #   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller (one command: at most 10 minutes)
+#   ENGINE=gymnasium ACTORS=12 ITERATIONS=8 benchmarks/device_engines.sh   # one engine only
 #   LEARN=1 ACTORS=12 ITERATIONS=300 GAME=breakout benchmarks/device_engines.sh   # the return over a long
 #     run instead (benchmarks/rollouts_learning.py: every backend from the same seed; the first actor
 #     count only; RUNS=threads,queue/jaxtransport picks backends)
@@ -31,6 +32,7 @@ export PYTHONDONTWRITEBYTECODE=1
 "$PY" -m benchmarks.atari_bundle check --game "${GAME:-pong}"
 engines="--engine envpool"
 if "$PY" -c 'import ale_py, cv2, gymnasium' 2>/dev/null; then engines=""; fi
+if [ -n "${ENGINE:-}" ]; then engines="--engine $ENGINE"; fi
 if [ -n "${LEARN:-}" ]; then  # the return over a long run, every backend (benchmarks/rollouts_learning.py)
   "$PY" -m benchmarks.rollouts_learning --actors "${ACTORS%%,*}" --iterations "$ITERATIONS" --out "$OUT" \
     --name "${NAME:-rollouts_learning}" --game "${GAME:-pong}" ${RUNS:+--runs "$RUNS"} \

@@ -56,7 +56,7 @@ PLOT_XLABEL = "actors (processes or threads), 8 ALE environments each"
 PLOT_XFORMAT = "{:g}"
 PLOT_Y = "env_steps_per_s"
 PLOT_YLABEL = "env steps/s (higher is better)"
-LIMIT_TRANSPORTS = ("envpool limit",)
+LIMIT_TRANSPORTS = ("envpool limit", "gymnasium limit")
 BASELINE = "envpool threads"
 NO_SPEEDUP = ("envpool limit", "gymnasium limit")
 ANNOTATE = ("envpool queue/jaxtransport",)
@@ -295,8 +295,9 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 def merge(folders: list[str], out: str, name: str = "rollouts_engines") -> list[dict]:
     """Write ``out``'s results from several runs' ``rollouts_engines.json`` (each actor count's
-    rows are self-contained: ratios and shares are within it), with the first run's environment
-    and conditions before, the last's after, and their seconds summed."""
+    rows are self-contained: ratios and shares are within it), by actor count (each run's own
+    order within a count), with the first run's environment and conditions before, the last's
+    after, and their seconds summed."""
     import json
 
     from benchmarks import run as runner
@@ -310,7 +311,7 @@ def merge(folders: list[str], out: str, name: str = "rollouts_engines") -> list[
             raise SystemExit(f"{folder}: expected one rollouts_engines*.json, found {found}")
         with open(found[0]) as f:
             runs.append(json.load(f))
-    rows = [r for data in runs for r in data["rows"]]
+    rows = sorted((r for data in runs for r in data["rows"]), key=lambda r: r["actors"])  # stable: each run's order
     counts = [r["actors"] for r in rows if r["backend"] == "limit"]
     if len(counts) != len(set(zip(counts, [r["engine"] for r in rows if r["backend"] == "limit"]))):
         raise SystemExit("the runs measured the same actor count and engine more than once: merge distinct runs")

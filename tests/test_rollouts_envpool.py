@@ -179,3 +179,31 @@ def test_stepping_limit_and_targets():
     assert lines[1].startswith("PASS 2 actors: envpool queue/jaxtransport = 80% of envpool's"), lines
     rows[2]["env_steps_per_s"] = 140.0
     assert [line[:4] for line in bench.check_targets(rows)] == ["MISS", "MISS"]
+
+
+def test_merged_runs_are_ordered_by_actor_count(tmp_path):
+    """benchmarks/rollouts_engines.py --merge: rows of runs of other actor counts and engines
+    (one device command each, in any order) come out by actor count, each run's order kept
+    within a count; a count and engine measured twice is refused."""
+    import json
+
+    from benchmarks import rollouts_engines as bench
+
+    def run(folder, engine, counts):
+        rows = [{"name": "rollouts-engines-pong", "transport": f"{engine} {b}", "engine": engine, "backend": b,
+                 "actors": n, "env_steps_per_s": 100.0 * n, "seconds": 1.0, "size_bytes": 0, "load": "0.0-0.0"}
+                for n in counts for b in ("threads", "limit")]
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"rollouts_engines_{folder}.json").write_text(
+            json.dumps({"rows": rows, "seconds": 1.0, "conditions": {}}))
+        return str(tmp_path / folder)
+
+    runs = [run("a", "envpool", (1, 12)), run("b", "gymnasium", (12,)), run("c", "gymnasium", (1, 2))]
+    rows = bench.merge(runs, str(tmp_path / "out"), "merged")
+    assert [(r["actors"], r["transport"]) for r in rows] == [
+        (1, "envpool threads"), (1, "envpool limit"), (1, "gymnasium threads"), (1, "gymnasium limit"),
+        (2, "gymnasium threads"), (2, "gymnasium limit"),
+        (12, "envpool threads"), (12, "envpool limit"), (12, "gymnasium threads"), (12, "gymnasium limit")]
+    assert json.loads((tmp_path / "out" / "merged.json").read_text())["seconds"] == 3.0
+    with pytest.raises(SystemExit, match="more than once"):
+        bench.merge([runs[0], run("d", "envpool", (12,))], str(tmp_path / "out2"), "merged")
