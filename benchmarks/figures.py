@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import difflib
 import glob
+import itertools
 import json
 import os
 import re
@@ -611,16 +612,18 @@ def _engines() -> None:
                     FIGURES[f"{key}.ratio"] = F("rollouts_engines", "ratio", "x2", **where)
                     FIGURES[f"{key}.of_limit"] = F("rollouts_engines", "limit_share", "pct", **where)
                     FIGURES[f"{key}.acting"] = F("rollouts_engines", "acting_share", "pct", **where)
-    # rollouts_engines_tpu.json: the TPU v5e host (13 cores, the learner on the chip), envpool only
-    # (the bundle carries no OpenCV for gymnasium's rows), 1 to 12 actors (one run each: 12 actors
-    # 24 iterations with the actors acting inline, the others 8).
-    for actors in (1, 2, 4, 8, 12):
+    # rollouts_engines_tpu.json: the TPU v5e host (13 cores, the learner on the chip), 1 to 12
+    # actors, one run each. envpool: 12 actors 24 iterations with the actors acting inline, the
+    # others 8. gymnasium: 8 iterations, acting inline, in runs of their own (OpenCV from that
+    # host's package index), so its rows' ratio is to gymnasium's own threads (vs_threads).
+    for actors, engine in itertools.product((1, 2, 4, 8, 12), ("envpool", "gymnasium")):
         for backend, tag in backends:
-            where = {"name": "rollouts-engines-pong", "actors": actors, "engine": "envpool", "backend": backend}
-            key = f"tpu_engines.{actors}.envpool.{tag}"
+            where = {"name": "rollouts-engines-pong", "actors": actors, "engine": engine, "backend": backend}
+            key = f"tpu_engines.{actors}.{engine}.{tag}"
             FIGURES[f"{key}.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
             if backend != "limit":
-                FIGURES[f"{key}.ratio"] = F("rollouts_engines_tpu", "ratio", "x2", **where)
+                ratio = ("ratio", "ratio") if engine == "envpool" else ("vs_threads", "vs_threads_same_engine")
+                FIGURES[f"{key}.{ratio[0]}"] = F("rollouts_engines_tpu", ratio[1], "x2", **where)
                 FIGURES[f"{key}.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
                 FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
