@@ -6,6 +6,8 @@
 # (about 51 MiB of wheels), which the bundle leaves out: its rows run only where they are.
 #   ACTORS=1,2 ITERATIONS=12 benchmarks/device_engines.sh   # smaller (one command: at most 10 minutes)
 #   ENGINE=gymnasium ACTORS=12 ITERATIONS=8 benchmarks/device_engines.sh   # one engine only
+#   ENGINE=envpool ACTORS=12 ITERATIONS=24 RUNS=queue/jaxtransport REPEAT=3 benchmarks/device_engines.sh
+#     # some rows only (the limit always runs), the whole set measured REPEAT times
 #   LEARN=1 ACTORS=12 ITERATIONS=300 GAME=breakout benchmarks/device_engines.sh   # the return over a long
 #     run instead (benchmarks/rollouts_learning.py: every backend from the same seed; the first actor
 #     count only; RUNS=threads,queue/jaxtransport picks backends)
@@ -40,5 +42,5 @@ if [ -n "${LEARN:-}" ]; then  # the return over a long run, every backend (bench
   exit
 fi
 "$PY" -m benchmarks.rollouts_engines $engines --actors "$ACTORS" --iterations "$ITERATIONS" --out "$OUT" \
-  --name "${NAME:-rollouts_engines}" \
+  --name "${NAME:-rollouts_engines}" ${RUNS:+--runs "$RUNS"} ${REPEAT:+--repeat "$REPEAT"} \
   2>&1 | grep -v -e '^A.L.E: Arcade' -e '^\[Powered by Stella\]' | tee "$OUT/${NAME:-rollouts_engines}.log"

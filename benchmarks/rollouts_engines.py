@@ -272,6 +272,9 @@ def _num(x: float | None) -> str:
 def check_targets(rows: list[dict]) -> list[str]:
     if not rows:
         return []
+    runs = sorted({r.get("run") or 0 for r in rows})
+    if len(runs) > 1:  # --repeat: each run's verdicts
+        return [f"run {k}: {line}" for k in runs for line in check_targets([r for r in rows if (r.get("run") or 0) == k])]
     n = max(r["actors"] for r in rows)
     at = {r["transport"]: r for r in rows if r["actors"] == n}
     cleanba, limit = at.get("envpool threads"), at.get("envpool limit")
@@ -319,6 +322,16 @@ def merge(folders: list[str], out: str, name: str = "rollouts_engines") -> list[
     return rows
 
 
+def _runs(text: str) -> tuple:
+    """``RUNS`` entries named by ``text`` (their backend names, comma-separated), in RUNS' order."""
+    names = {_backend(*r): r for r in RUNS}
+    wanted = [w.strip() for w in text.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in names]
+    if unknown or not wanted:
+        raise argparse.ArgumentTypeError(f"unknown row {unknown or text!r}: choose from {', '.join(names)}")
+    return tuple(r for name, r in names.items() if name in wanted)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="5 iterations, 100 limit steps")
@@ -327,6 +340,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--iterations", type=int, help="iterations per run (default 12, quick 5); the first 2 untimed")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
     p.add_argument("--limit-steps", type=int, help="steps per actor of the limit rows (default 600, quick 100)")
+    p.add_argument("--runs", type=_runs,
+                   help="only these rows, comma-separated by backend name (e.g. 'queue/jaxtransport,threads'; "
+                   "the limit always runs): " + ", ".join(_backend(*r) for r in RUNS))
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure everything this many times, one after another; each row says its run (1, 2, ...)")
     p.add_argument("--merge", nargs="+", metavar="DIR",
                    help="measure nothing: write --out from the rollouts_engines.json of these folders (runs of "
                    "other actor counts, e.g. one device command each), their rows together")
@@ -343,8 +361,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         before = runner.conditions()
     start = time.perf_counter()
-    rows = run(args.quick, actors=args.actors, iterations=args.iterations,
-               engines=tuple(args.engine or ENGINES), limit_steps=args.limit_steps)
+    rows = []
+    for k in range(1, args.repeat + 1):
+        if args.repeat > 1:
+            print(f"# rollouts-engines: run {k} of {args.repeat}", flush=True)
+        got = run(args.quick, actors=args.actors, iterations=args.iterations, engines=tuple(args.engine or ENGINES),
+                  runs=args.runs or RUNS, limit_steps=args.limit_steps)
+        rows += [dict(r, run=k) for r in got] if args.repeat > 1 else got
     seconds = time.perf_counter() - start
     if args.out and rows:
         runner.write_outputs(args.name, sys.modules[__name__], rows, args.out, seconds, args.quick,

@@ -207,3 +207,21 @@ def test_merged_runs_are_ordered_by_actor_count(tmp_path):
     assert json.loads((tmp_path / "out" / "merged.json").read_text())["seconds"] == 3.0
     with pytest.raises(SystemExit, match="more than once"):
         bench.merge([runs[0], run("d", "envpool", (12,))], str(tmp_path / "out2"), "merged")
+
+
+def test_rows_picked_by_name_and_runs_repeated_have_their_own_verdicts():
+    """benchmarks/rollouts_engines.py --runs picks rows by their backend's name (an unknown name
+    is refused, naming the choices); --repeat's rows carry their run, and the targets are
+    checked per run."""
+    import argparse
+
+    from benchmarks import rollouts_engines as bench
+
+    assert bench._runs("queue/jaxtransport --max-lag 2, threads") == (bench.RUNS[0], bench.RUNS[2])
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown row .*queue/jt.*choose from threads"):
+        bench._runs("queue/jt")
+    rows = [{"actors": 12, "load": "0.0-0.0", "run": k, "transport": f"envpool {b}", "backend": b,
+             "env_steps_per_s": v} for k, jt in ((1, 170.0), (2, 150.0))
+            for b, v in (("queue/jaxtransport", jt), ("limit", 200.0))]
+    lines = bench.check_targets(rows)
+    assert [line.split(" 12 actors")[0] for line in lines] == ["run 1: PASS", "run 2: MISS"], lines
