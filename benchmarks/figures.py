@@ -640,6 +640,16 @@ def _engines() -> None:
             FIGURES[f"{prefix}.12.envpool.{tag}.steps"] = F(file, "env_steps_per_s", "steps", **where)
             if backend != "limit":
                 FIGURES[f"{prefix}.12.envpool.{tag}.of_limit"] = F(file, "limit_share", "pct", **where)
+    # rollouts_engines_tpu_runs.json: two more runs on one machine (--repeat 2) of the queue's
+    # row, the stock queue's and the limit, at 12 actors.
+    queue_stock = ("queue/stock", "queue_stock")
+    for k, (backend, tag) in itertools.product((1, 2), (queue_jt, queue_stock, limit)):
+        where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend, "run": k}
+        FIGURES[f"tpu_engines_runs.{k}.12.envpool.{tag}.steps"] = F("rollouts_engines_tpu_runs", "env_steps_per_s",
+                                                                    "steps", **where)
+        if backend != "limit":
+            FIGURES[f"tpu_engines_runs.{k}.12.envpool.{tag}.of_limit"] = F("rollouts_engines_tpu_runs", "limit_share",
+                                                                       "pct", **where)
     # The time one actor's step of its 8 environments took at 12 actors: in the queue's rollouts
     # (its stepping share of the time per step) and in the limit's loop.
     per_step = 12 * 8  # actors x environments
