@@ -622,34 +622,29 @@ def _engines() -> None:
             key = f"tpu_engines.{actors}.{engine}.{tag}"
             FIGURES[f"{key}.steps"] = F("rollouts_engines_tpu", "env_steps_per_s", "steps", **where)
             if backend != "limit":
-                ratio = ("ratio", "ratio") if engine == "envpool" else ("vs_threads", "vs_threads_same_engine")
-                FIGURES[f"{key}.{ratio[0]}"] = F("rollouts_engines_tpu", ratio[1], "x2", **where)
+                suffix, field = ("ratio", "ratio") if engine == "envpool" else ("vs_threads", "vs_threads_same_engine")
+                FIGURES[f"{key}.{suffix}"] = F("rollouts_engines_tpu", field, "x2", **where)
                 FIGURES[f"{key}.of_limit"] = F("rollouts_engines_tpu", "limit_share", "pct", **where)
                 FIGURES[f"{key}.acting"] = F("rollouts_engines_tpu", "acting_share", "pct", **where)
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
                 FIGURES[f"{key}.stepping"] = F("rollouts_engines_tpu", "stepping_share", "pct", **where)
-    # 12 actors only: the jaxtransport queue with --max-lag 2 (a second rollout of slack); and
+    # 12 actors only: the jaxtransport queue with --max-lag 2 (a second rollout of slack);
     # rollouts_engines_tpu_repeat.json, a second run of the queue's two rows and the limit, the
-    # same code on a fresh machine.
+    # same code on a fresh machine; rollouts_engines_tpu_runs.json, two more runs on one machine
+    # (--repeat 2: each row names its run) of the queue's row, the stock queue's and the limit.
     lag2 = ("queue/jaxtransport --max-lag 2", "queue_jt_lag2")
-    queue_jt, limit = ("queue/jaxtransport", "queue_jt"), ("limit", "limit")
-    for file, prefix, rows in (("rollouts_engines_tpu", "tpu_engines", (lag2,)),
-                               ("rollouts_engines_tpu_repeat", "tpu_engines_repeat", (queue_jt, lag2, limit))):
+    queue_jt, queue_stock = ("queue/jaxtransport", "queue_jt"), ("queue/stock", "queue_stock")
+    limit = ("limit", "limit")
+    sets = [("rollouts_engines_tpu", "tpu_engines", (lag2,), {}),
+            ("rollouts_engines_tpu_repeat", "tpu_engines_repeat", (queue_jt, lag2, limit), {})]
+    sets += [("rollouts_engines_tpu_runs", f"tpu_engines_runs.{k}", (queue_jt, queue_stock, limit), {"run": k})
+             for k in (1, 2)]
+    for file, prefix, rows, run in sets:
         for backend, tag in rows:
-            where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend}
+            where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend, **run}
             FIGURES[f"{prefix}.12.envpool.{tag}.steps"] = F(file, "env_steps_per_s", "steps", **where)
             if backend != "limit":
                 FIGURES[f"{prefix}.12.envpool.{tag}.of_limit"] = F(file, "limit_share", "pct", **where)
-    # rollouts_engines_tpu_runs.json: two more runs on one machine (--repeat 2) of the queue's
-    # row, the stock queue's and the limit, at 12 actors.
-    queue_stock = ("queue/stock", "queue_stock")
-    for k, (backend, tag) in itertools.product((1, 2), (queue_jt, queue_stock, limit)):
-        where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": backend, "run": k}
-        FIGURES[f"tpu_engines_runs.{k}.12.envpool.{tag}.steps"] = F("rollouts_engines_tpu_runs", "env_steps_per_s",
-                                                                    "steps", **where)
-        if backend != "limit":
-            FIGURES[f"tpu_engines_runs.{k}.12.envpool.{tag}.of_limit"] = F("rollouts_engines_tpu_runs", "limit_share",
-                                                                       "pct", **where)
     # The time one actor's step of its 8 environments took at 12 actors: in the queue's rollouts
     # (its stepping share of the time per step) and in the limit's loop.
     per_step = 12 * 8  # actors x environments
