@@ -830,3 +830,73 @@ def test_children_get_the_chosen_start_method_not_the_callers_default(method):
     assert f"POOL {method}" in proc.stdout, out[-4000:]
     assert "STOCK 1" in proc.stdout, out[-4000:]  # the standard library's own child: cannot find context
     assert "leaked" not in proc.stderr, out[-4000:]
+
+
+def test_the_live_segment_list_every_message_carries_follows_the_arena():
+    """``Producer.live_segments`` (in every packet: Note [a message with no arrays]) is kept
+    between messages, and a new segment of the arena is in the next list."""
+    from jaxtransport.multiprocessing import _sharing
+
+    if _os.in_band():
+        pytest.skip("no shared memory here: every message is in band")
+    p = _sharing.Producer(None)
+    try:
+        first = p.live_segments()
+        assert first == (0, ()) and p.live_segments() is first
+        data, _view = p.alloc(1 << 16, None)
+        second = p.live_segments()
+        assert second == (data[0], (data[0],)) and p.live_segments() is second
+        data2, _view2 = p.alloc(64 << 20, None)  # too large for the first segment: a second one
+        third = p.live_segments()
+        assert third[0] == data2[0] > data[0] and set(third[1]) == {data[0], data2[0]}
+        del _view, _view2
+        p.drop(data)
+        p.drop(data2)
+    finally:
+        p.arena.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_small_messages_both_ways_leave_nothing_behind(method, no_fd_leak):
+    """Messages with no arrays for shared memory (Note [a message with no arrays]) between
+    two processes, on a queue and a pipe, mixed with ones that have: every object back as
+    sent, and the child exits cleanly."""
+    ctx = jmp.get_context(method)
+    q, r = ctx.Queue(shm_threshold=THRESH), ctx.Queue(shm_threshold=THRESH)
+    a, b = ctx.Pipe(shm_threshold=THRESH)
+    proc = ctx.Process(target=_echo_both, args=(q, r, b))
+    proc.start()
+    try:
+        msgs = [5, "x" * 100, {"a": np.arange(3)}, np.arange(THRESH, dtype=np.uint8), (None, b"\0" * 20_000),
+                np.full(40_000, 7, np.uint8)]  # the last: a pickle larger than a packet
+        for m in msgs * 3:
+            q.put(m)
+            got = r.get(timeout=60)
+            a.send(m)
+            got2 = a.recv()
+            for g in (got, got2):
+                if isinstance(m, np.ndarray):
+                    assert isinstance(g, np.ndarray) and np.array_equal(g, m)
+                elif isinstance(m, dict):
+                    assert np.array_equal(g["a"], m["a"])
+                else:
+                    assert g == m
+            del got, got2
+        q.put(None)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        q.close(), r.close(), a.close(), b.close()
+
+
+def _echo_both(q, r, conn) -> None:
+    while True:
+        x = q.get()
+        if x is None:
+            return
+        r.put(x)
+        conn.send(conn.recv())
+        del x

@@ -248,11 +248,18 @@ IN_BAND_THRESHOLD = 1 << 62  # an shm_threshold no array reaches: everything ins
 
 def in_band() -> bool:
     """Whether arrays must travel inside the pickles here: no shared memory that can be
-    passed to another process (no fd passing, or no segments)."""
-    from ._channels import fd_passing
-    from ._segments import segment_kind
+    passed to another process (no fd passing, or no segments). Fixed for the life of the
+    process (both are probed once), and asked by every message: worked out once."""
+    global _in_band
+    if _in_band is None:
+        from ._channels import fd_passing
+        from ._segments import segment_kind
 
-    return not fd_passing() or segment_kind() is None
+        _in_band = not fd_passing() or segment_kind() is None
+    return _in_band
+
+
+_in_band: bool | None = None
 
 
 def _in_band_reason() -> str:

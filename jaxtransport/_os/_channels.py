@@ -17,6 +17,7 @@ agree whatever each process's mode is.
 
 from __future__ import annotations
 
+import _socket
 import array
 import errno
 import select
@@ -43,17 +44,24 @@ __all__ = [
 _LEN = struct.Struct("<Q")
 # The flag that makes one send or receive not wait: MSG_DONTWAIT where the OS has it; elsewhere
 # (Windows) a bit of our own, which only streams take (a send raises, a receive checks first).
-DONTWAIT: int = getattr(socket, "MSG_DONTWAIT", 1 << 30)
+DONTWAIT: int = int(getattr(socket, "MSG_DONTWAIT", 1 << 30))  # an int: enum flags cost a call per use
 _REAL_DONTWAIT = hasattr(socket, "MSG_DONTWAIT")
 MAX_MESSAGE = 1 << 40  # a longer length in a stream's header is garbage, not a message
 
 
 def fd_passing() -> bool:
     """Whether fds can be passed between processes here (Unix sockets with SCM_RIGHTS), and
-    the mode allows it (not ``inband``)."""
-    if _mode.mode() == _mode.INBAND:
-        return False
-    return all(hasattr(socket, n) for n in ("AF_UNIX", "SCM_RIGHTS", "send_fds", "recv_fds"))
+    the mode allows it (not ``inband``). Both are fixed for the life of the process (the mode
+    is read once), so the answer is worked out once: every message asks."""
+    global _fd_passing
+    if _fd_passing is None:
+        _fd_passing = _mode.mode() != _mode.INBAND and all(
+            hasattr(socket, n) for n in ("AF_UNIX", "SCM_RIGHTS", "send_fds", "recv_fds")
+        )
+    return _fd_passing
+
+
+_fd_passing: bool | None = None
 
 
 def _seqpacket() -> bool:
@@ -81,7 +89,13 @@ def message_socketpair() -> tuple[socket.socket, socket.socket]:
 
 def is_stream(sock: socket.socket) -> bool:
     """Whether ``sock`` frames messages itself (a stream), not one packet per message."""
-    return sock.type == socket.SOCK_STREAM
+    return _sock_type(sock) == _STREAM
+
+
+# The socket's type as the int the C object holds: ``socket.type`` converts it to an enum
+# member at every read (three enum calls, a tenth of a small message's cost).
+_sock_type = _socket.socket.type.__get__
+_STREAM = int(socket.SOCK_STREAM)
 
 
 def stream_locks(ctx: Any, sock: socket.socket) -> tuple[Any, Any]:
@@ -152,16 +166,27 @@ def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> b
     return out
 
 
+_CMSG: dict[int, int] = {}
+_TRUNCATED = int(getattr(socket, "MSG_TRUNC", 0)) | int(getattr(socket, "MSG_CTRUNC", 0))
+
+
+def _cmsg_space(maxfds: int) -> int:
+    n = _CMSG.get(maxfds)
+    if n is None:
+        n = _CMSG[maxfds] = socket.CMSG_SPACE(maxfds * 4 + 64)
+    return n
+
+
 def recv_message(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
     """One message: ``(bytes, fds, truncated)``; ``(b"", [], False)`` at end of stream.
     ``flags`` may hold :data:`DONTWAIT` (BlockingIOError when none has begun). A packet longer
     than ``bufsize`` is truncated (and says so); a stream message is read whole. ValueError
     (its fds closed) for a stream header no message has: something else wrote to the stream,
     and unlike packets, the messages after it cannot be found again."""
-    cmsg = socket.CMSG_SPACE(maxfds * 4 + 64) if fd_passing() else 0
+    cmsg = _cmsg_space(maxfds) if fd_passing() else 0
     if not is_stream(sock):
         msg, anc, mflags, _ = sock.recvmsg(bufsize, cmsg, flags)
-        return msg, _fds_of(anc), bool(mflags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        return msg, _fds_of(anc) if anc else [], bool(mflags & _TRUNCATED)
     if flags & DONTWAIT and not _REAL_DONTWAIT:  # no per-call flag here: look first
         if not select.select([sock], [], [], 0)[0]:
             raise BlockingIOError(errno.EAGAIN, "no message has begun")

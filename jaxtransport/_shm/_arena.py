@@ -123,6 +123,10 @@ class Arena:
         with self.cond:
             return list(self._segs.values())
 
+    def segment_count(self) -> int:
+        """How many segments this arena has (one read, no lock: a snapshot)."""
+        return len(self._segs)
+
     def in_use(self) -> int:
         with self.cond:
             self._apply_deferred()

@@ -241,6 +241,7 @@ class Producer:
         self.dead_pins: collections.deque = collections.deque()  # ids, appended by weakref callbacks
         self.frees = 0  # slots freed so far (progress, for waiting puts)
         self.adapter = _HeaderArena(self)
+        self._live: tuple | None = None  # ((newest segment id, segment count), live_segments())
 
     def alloc(self, nbytes: int, wait):
         # Leases are written into the slot headers; look at all of them while few are
@@ -410,11 +411,19 @@ class Producer:
 
     def live_segments(self):
         """``(epoch, segment ids)`` for receivers to unmap segments this process dropped (Note
-        [queue messages]); None when there are too many to list cheaply."""
-        segs = self.arena.segments()
-        if len(segs) > _MAX_LIVE_LISTED:
-            return None
-        return (self.arena.last_segment_id, tuple(s.seg_id for s in segs))
+        [queue messages]); None when there are too many to list cheaply. Every message carries
+        it, so the last answer is kept while the arena's newest id and segment count stay the
+        same: ids are never reused, so those two say which segments are live."""
+        a = self.arena
+        state = (a.last_segment_id, a.segment_count())
+        cached = self._live
+        if cached is not None and cached[0] == state:
+            return cached[1]
+        segs = a.segments()
+        live = None if len(segs) > _MAX_LIVE_LISTED else (a.last_segment_id, tuple(s.seg_id for s in segs))
+        if (a.last_segment_id, len(segs)) == state:  # not changed meanwhile (another thread)
+            self._live = (state, live)
+        return live
 
     def held(self) -> tuple[int, int, int]:
         """(slots held for messages or receivers, of which held by a receiver, bytes); a slot
@@ -619,7 +628,16 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
 
     p = producer()
     if _consumer is not None and _consumer.pid == p.pid:
-        _consumer.apply_releases()  # what this process received and dropped, before allocating
+        # what this process received and dropped: before allocating, and so that a process
+        # that only answers with small messages still gives its senders their memory back
+        _consumer.apply_releases()
+    if not prep.found and not prep.trees and len(prep.data) <= _PLAIN_MAX:
+        # Nothing in shared memory and a packet that fits: the packet alone (Note [a message
+        # with no arrays]).
+        packet = pickle.dumps(
+            (MAGIC, p.key, prep.data, (), (), None, p.live_segments(), 0, (p.key,), ()), protocol=PICKLE_PROTOCOL
+        )
+        return Outgoing(packet, [], ())
     reuse = _Reuse(p) if prep.found and not _os.in_band() else None
     try:
         enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), adopt=reuse)  # type: ignore[arg-type]
@@ -689,6 +707,22 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             reuse.give_back()
         raise
     return Outgoing(packet, fds, handles, owned, reuse.leases if reuse is not None else ())
+
+
+# Note [a message with no arrays]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Most messages of a request-and-reply loop carry nothing for shared memory: a step's
+# observations under the threshold, an acknowledgement, an action. Such a message is its packet
+# alone, the same packet the general path makes (so every receiver reads it as before), built
+# without the general path's books: no arena call, no leases, no fds. The receiver sees a packet
+# naming no segment, no slot and no fd, and only unpickles it and reads the sender's list of live
+# segments (a receiver must still unmap what the sender dropped). Both ends still write the
+# releases of arrays this process received and dropped, as every message did before: a
+# consumer that answers with small messages gives its senders their memory back as it goes. Measured in one process on
+# 2 cores, an int put and got: 129 us before these paths (prepare 30, commit 21, send 15, take
+# 26, decode 35), against 12 us for the stock SimpleQueue; the round trip between two
+# processes was 1.7x the stock Queue's.
+_PLAIN_MAX = MAX_PACKET - 1024
 
 
 def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
@@ -964,6 +998,8 @@ def _parse(packet: bytes) -> tuple:
     owners = tuple((int(k[0]), bytes(k[1])) for k in owners)
     if not owners or owners[0] != (int(key[0]), bytes(key[1])):
         raise ValueError("the first owner is not the sender")
+    if not (entries or segs or where or bundled) and blob is None:  # Note [a message with no arrays]
+        return data, (), (), None, live, 0, owners, ()
     segs = tuple((int(oi), int(s)) for oi, s in segs)
     where = tuple((int(oi), int(j)) for oi, j in where)
     narrays = sum(1 for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax"))
@@ -993,6 +1029,15 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
     except Exception as e:  # noqa: BLE001 - anything: the packet is garbage
         _close_all(fds)
         raise _garbage(f"{type(e).__name__}: {e}"[:300]) from None
+    if not (fds or segs or entries or bundled) and blob is None:  # Note [a message with no arrays]
+        from .. import _wire
+
+        c = consumer()
+        with c.lock:
+            c.apply_releases()
+            _forget_dropped(c, owners[0], live)
+            c.senders.add(owners[0])
+        return data if raw else _wire.loads(data, placement)
     if bundled:
         if not fds:
             raise _garbage("a bundle of fds was announced but none came")
@@ -1069,14 +1114,18 @@ def _forget_dropped(c: _Consumer, key, live) -> None:
     list seen is applied (a list from an older epoch may lack segments made since, which may
     have reached this process forwarded by another: only ids up to the epoch are judged)."""
     try:
-        epoch, ids = int(live[0]), set(live[1])
+        epoch, ids = int(live[0]), live[1]
     except (TypeError, ValueError, IndexError):
         return
     if epoch < c.epochs.get(key, 0):
         return
     c.epochs[key] = epoch
     m = c.mappers.get(key)
-    if m is None:
+    if m is None or not m.segs:
+        return
+    try:
+        ids = set(ids)
+    except TypeError:
         return
     gone = [s for s in m.segs if s <= epoch and s not in ids]
     if gone:
