@@ -712,6 +712,20 @@ def _pipeline() -> None:
                                          transport=loaders[0][1], workers=2)
 
 
+def _messages() -> None:
+    """Small messages' round trips (benchmarks/messages.py): ``messages.{queue,pipe}.{payload}``."""
+    for kind in ("queue", "pipe"):
+        for tag, payload in (("int", "int"), ("8b", "8 B array"), ("10k", "10 KB array"),
+                             ("obs", "observations 113 KB")):
+            key, name = f"messages.{kind}.{tag}", f"{kind} round trip"
+            FIGURES[f"{key}.mp.us"] = F("messages", "seconds", "us", name=name, payload=payload,
+                                        transport="multiprocessing")
+            FIGURES[f"{key}.jt.us"] = F("messages", "seconds", "us", name=name, payload=payload,
+                                        transport="jaxtransport.multiprocessing")
+            FIGURES[f"{key}.ratio"] = F("messages", "ratio", "x2", name=name, payload=payload,
+                                        transport="jaxtransport.multiprocessing")
+
+
 #: Results files whose previous run is kept in results/previous/ (see :func:`_previous`).
 PREVIOUS = ("pool", "executor", "queue", "rollouts_atari")
 
@@ -721,6 +735,7 @@ _first_call()
 _startup()
 _others()
 _tasks()
+_messages()
 _joblib()
 _platforms()
 _device()
@@ -1066,6 +1081,14 @@ BENCHMARKS_ROWS = [
         "{pipe.64m.mp.s} / {pipe.1g.mp.s}; torch: {pipe.64m.torch.s} / {pipe.1g.torch.s}",
         "{pipe.64m.jt.s} / {pipe.1g.jt.s}",
         "{pipe.64m.ratio} / {pipe.1g.ratio}; {pipe.64m.vs_torch} / {pipe.1g.vs_torch} torch"),
+    Row("`jaxtransport.multiprocessing`, small messages, a round trip to an echo process: Queue / Pipe, an "
+        "int / one actor's observations (113 KB, pickled into the message)",
+        "Queue: {messages.queue.int.mp.us} / {messages.queue.obs.mp.us}; Pipe: {messages.pipe.int.mp.us} / "
+        "{messages.pipe.obs.mp.us} (`multiprocessing`)",
+        "Queue: {messages.queue.int.jt.us} / {messages.queue.obs.jt.us}; Pipe: {messages.pipe.int.jt.us} / "
+        "{messages.pipe.obs.jt.us}",
+        "{messages.queue.int.ratio} / {messages.queue.obs.ratio}; {messages.pipe.int.ratio} / "
+        "{messages.pipe.obs.ratio} (slower)"),
     Row("Ray, steady state: 1 MiB task argument / result", "{ray.argument.1m.stock.s} / {ray.result.1m.stock.s}",
         "{ray.argument.1m.jt.s} / {ray.result.1m.jt.s}", "{ray.argument.1m.ratio} / {ray.result.1m.ratio}"),
     Row("Ray, steady state: 1 GiB task argument / result",

@@ -65,6 +65,7 @@ BENCHMARKS = (
     ("rollouts_atari", "benchmarks.rollouts_atari"),
     ("rollouts_engines", "benchmarks.rollouts_engines"),
     ("queue", "benchmarks.queue"),
+    ("messages", "benchmarks.messages"),
     ("forward", "benchmarks.forward"),
     ("joblib", "benchmarks.joblib"),
     ("platforms", "benchmarks.platforms"),
