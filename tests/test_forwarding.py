@@ -77,6 +77,13 @@ def hold_all(q_in, out, n, done):
     out.put("dropped")
 
 
+def take_and_exit(q_in, out):
+    """Take one array, read it, drop it and exit at once: no message after the drop."""
+    x = q_in.get(timeout=60)
+    out.put(checksum(x))
+    del x
+
+
 def relay(q_in, q_out, out, hold):
     """Forward whatever comes until None; report the slots this process had to copy into."""
     while True:
@@ -510,3 +517,24 @@ def test_idle_segments_of_an_owner_seen_only_forwarded_are_unmapped(monkeypatch)
     finally:
         _end(a, b)
         q1.close(), q2.close(), out.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_receiver_that_exits_right_after_dropping_gives_the_memory_back(method):
+    """A consumer whose last act is to drop what it received still writes its release as it
+    exits (``_sharing._flush_at_exit``): the sender has its slot back without counting the dead
+    receiver's lease as released (``dead_too=False``)."""
+    ctx = jmp.get_context(method)
+    q, out = ctx.Queue(shm_threshold=THRESH), ctx.Queue()
+    before = _slots()
+    x = np.arange(N, dtype=np.float32)
+    p = _start(ctx, take_and_exit, q, out)
+    try:
+        q.put(x)
+        assert out.get(timeout=60) == checksum(x)
+        p.join(60)
+        assert p.exitcode == 0
+        assert wait_until(lambda: _freed(before), 10)
+    finally:
+        _end(p)
+        q.close(), out.close()

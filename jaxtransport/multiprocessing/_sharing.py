@@ -107,8 +107,8 @@ MAGIC = "jaxtransport.mp/2"
 LEASES = 16  # leases per slot (Note [queue slot lifetime])
 _LEASE = struct.Struct("<QQQQ")  # serial, released, holder pid, holder token
 HEADER = LEASES * _LEASE.size  # bytes before each slot's data: 512, a multiple of ALIGN
-MAX_PACKET = 32 << 10  # larger pickles travel in a slot (Note [queue messages])
-RECV_BUF = 64 << 10
+MAX_PACKET = 128 << 10  # larger pickles travel in a slot (Note [queue messages]); see packet_max()
+RECV_BUF = 2 * MAX_PACKET  # a receiving thread's buffer (Note [packets read into a buffer] in _os)
 MAX_FDS = 250  # SCM_MAX_FD is 253
 MAX_KEPT_FDS = 256  # received segments' fds kept to forward from (Note [sending by handle])
 FOREIGN_MAPPED_MAX = 1 << 30  # bytes of idle segments kept mapped from owners that never sent here
@@ -612,11 +612,13 @@ def _unbundle(fd: int, count: int) -> list[int]:
 def prepare(obj: Any, threshold: int, root: str):
     """Phase 1, in the caller: pickle ``obj`` with arrays set aside. Raises TracerTransportError
     (with the key path under ``root``) or the pickling error before anything is queued."""
-    from .. import _wire
-
+    _wire = _wire_module()
     if _os.in_band():  # no shared memory to pass here: everything inside the pickle
         _os.warn_in_band("jaxtransport.multiprocessing")
         threshold = _os.IN_BAND_THRESHOLD
+    data = _wire.plain_pickle(obj, threshold)  # Note [plain data] in _wire
+    if data is not None:
+        return _wire.Prepared(data, (), ())
     return _wire.prepare(obj, threshold=threshold, locate=_locate(obj, root))
 
 
@@ -624,14 +626,12 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
     """Phase 2, in the caller: copy the set-aside arrays into this process's shared memory (may
     wait for receivers to release memory, see Producer.waiter), or take leases on the slots of
     those already there (Note [sending by handle]), and build the packet."""
-    from .. import _wire
-
     p = producer()
     if _consumer is not None and _consumer.pid == p.pid:
         # what this process received and dropped: before allocating, and so that a process
         # that only answers with small messages still gives its senders their memory back
         _consumer.apply_releases()
-    if not prep.found and not prep.trees and len(prep.data) <= _PLAIN_MAX:
+    if not prep.found and not prep.trees and len(prep.data) <= packet_max() - 1024:
         # Nothing in shared memory and a packet that fits: the packet alone (Note [a message
         # with no arrays]).
         packet = pickle.dumps(
@@ -640,7 +640,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
         return Outgoing(packet, [], ())
     reuse = _Reuse(p) if prep.found and not _os.in_band() else None
     try:
-        enc = _wire.commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), adopt=reuse)  # type: ignore[arg-type]
+        enc = _wire_module().commit(prep, arena=p.adapter, borrower="q", wait=p.waiter(timeout), adopt=reuse)
     except BaseException as e:
         if reuse is not None:
             reuse.give_back()
@@ -668,7 +668,7 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
             seen.add((oi, h[0]))
             segs.append((oi, h[0]))
         data, blob = enc.data, None
-        if len(data) > MAX_PACKET - 1024 - 64 * len(enc.entries) and not _os.in_band():
+        if len(data) > packet_max() - 1024 - 64 * len(enc.entries) and not _os.in_band():
             try:
                 blob, view = p.alloc(len(data), p.waiter(timeout))
             except ShmCapacityError as e:
@@ -721,8 +721,38 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
 # consumer that answers with small messages gives its senders their memory back as it goes. Measured in one process on
 # 2 cores, an int put and got: 129 us before these paths (prepare 30, commit 21, send 15, take
 # 26, decode 35), against 12 us for the stock SimpleQueue; the round trip between two
-# processes was 1.7x the stock Queue's.
-_PLAIN_MAX = MAX_PACKET - 1024
+# processes was 1.7x the stock Queue's. Plain data skips the routed pickler too (Note [plain
+# data] in ``_wire``): an int's put and get in one process then took 21 us.
+
+
+def packet_max() -> int:
+    """The largest packet this process sends (Note [queue messages]): MAX_PACKET, or less where
+    a Unix packet socket's send buffer leaves less room (a packet longer than the buffer can
+    never be sent: EMSGSIZE). Up to 32 KiB (and 113 KB of observations) the pickle went into a
+    shared-memory slot before, its own allocation, copy, fd and release each time: a round trip
+    of those observations took 2x the stock Queue's time and 3x the stock Pipe's."""
+    global _PACKET_MAX
+    if _PACKET_MAX is None:
+        room = _os.packet_room()
+        _PACKET_MAX = MAX_PACKET if room is None else max(min(MAX_PACKET, room - (16 << 10)), 16 << 10)
+    return _PACKET_MAX
+
+
+_PACKET_MAX: int | None = None
+
+
+def _wire_module() -> Any:
+    """``jaxtransport._wire``, imported on first use (as every phase here did with a local
+    import; this saves each message the import statement's lookups)."""
+    global _WIRE
+    if _WIRE is None:
+        from .. import _wire
+
+        _WIRE = _wire
+    return _WIRE
+
+
+_WIRE: Any = None
 
 
 def _capacity_error(p: Producer, e: ShmCapacityError) -> ShmCapacityError:
@@ -801,6 +831,10 @@ class _Consumer:
         # Ctrl-C cannot leave it held (Note [waits a Ctrl-C cannot break] in _lockorder).
         self.wake = _lockorder.condition("Consumer.wake")
         self.thread: threading.Thread | None = None
+        from multiprocessing import util
+
+        # at exit (a spawned child's too: multiprocessing runs these, not atexit's)
+        util.Finalize(None, _flush_at_exit, args=(weakref.ref(self),), exitpriority=5)
 
     def mapper(self, key) -> _shm.Mapper:
         m = self.mappers.get(key)
@@ -903,6 +937,38 @@ class _Consumer:
             self.wake.wake_all()
 
 
+def _flush_at_exit(ref) -> None:
+    """Write the releases of the arrays this process received and has dropped, as it exits.
+
+    A consumer that drops what it received, answers and returns (``del got; out.put("done")``)
+    would otherwise exit before its releases are written: jaxlib drops its reference to a
+    received array's memory from a runtime thread, so the array may still look alive when the
+    answer goes (its put writes the releases it sees), and the release thread dies with the
+    process. Its senders would then get that memory back only once they run short of it (a
+    dead receiver's lease counts as released then). Tries for at most EXIT_FLUSH_S while
+    received arrays look alive (arrays the process still holds at exit keep it that long)."""
+    c = ref()
+    if c is None or c.pid != os.getpid():
+        return
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    while True:
+        if not c.lock.acquire(timeout=0.05):  # a thread stopped while decoding: leave it
+            return
+        try:
+            c.apply_releases()
+            live = any(m.live for m in list(c.mappers.values()))
+        except Exception:  # noqa: BLE001 - at exit: nothing more to do
+            return
+        finally:
+            c.lock.release()
+        if not live or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
+EXIT_FLUSH_S = 0.05
+
+
 def _release_loop(ref) -> None:
     while True:
         c = ref()
@@ -995,11 +1061,14 @@ def _parse(packet: bytes) -> tuple:
     magic, key, data, entries, segs, blob, live, bundled, owners, where = rec
     if magic != MAGIC:
         raise ValueError("bad magic")
-    owners = tuple((int(k[0]), bytes(k[1])) for k in owners)
-    if not owners or owners[0] != (int(key[0]), bytes(key[1])):
-        raise ValueError("the first owner is not the sender")
+    key = (int(key[0]), bytes(key[1]))
     if not (entries or segs or where or bundled) and blob is None:  # Note [a message with no arrays]
-        return data, (), (), None, live, 0, owners, ()
+        if len(owners) != 1 or (int(owners[0][0]), bytes(owners[0][1])) != key:
+            raise ValueError("the owner is not the sender")
+        return data, (), (), None, live, 0, (key,), ()
+    owners = tuple((int(k[0]), bytes(k[1])) for k in owners)
+    if not owners or owners[0] != key:
+        raise ValueError("the first owner is not the sender")
     segs = tuple((int(oi), int(s)) for oi, s in segs)
     where = tuple((int(oi), int(j)) for oi, j in where)
     narrays = sum(1 for e in entries if isinstance(e, tuple) and e and e[0] in ("np", "jax"))
@@ -1030,14 +1099,13 @@ def decode(packet: bytes, fds: list[int], placement: str, raw: bool = False) -> 
         _close_all(fds)
         raise _garbage(f"{type(e).__name__}: {e}"[:300]) from None
     if not (fds or segs or entries or bundled) and blob is None:  # Note [a message with no arrays]
-        from .. import _wire
-
         c = consumer()
         with c.lock:
-            c.apply_releases()
-            _forget_dropped(c, owners[0], live)
+            if c.mappers:
+                c.apply_releases()
+                _forget_dropped(c, owners[0], live)
             c.senders.add(owners[0])
-        return data if raw else _wire.loads(data, placement)
+        return data if raw else _wire_module().loads(data, placement)
     if bundled:
         if not fds:
             raise _garbage("a bundle of fds was announced but none came")
