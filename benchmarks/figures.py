@@ -1087,8 +1087,8 @@ BENCHMARKS_ROWS = [
         "{messages.pipe.obs.mp.us} (`multiprocessing`)",
         "Queue: {messages.queue.int.jt.us} / {messages.queue.obs.jt.us}; Pipe: {messages.pipe.int.jt.us} / "
         "{messages.pipe.obs.jt.us}",
-        "{messages.queue.int.ratio} / {messages.queue.obs.ratio}; {messages.pipe.int.ratio} / "
-        "{messages.pipe.obs.ratio} (slower)"),
+        "Queue: {messages.queue.int.ratio} / {messages.queue.obs.ratio}; Pipe: {messages.pipe.int.ratio} / "
+        "{messages.pipe.obs.ratio} the stock speed"),
     Row("Ray, steady state: 1 MiB task argument / result", "{ray.argument.1m.stock.s} / {ray.result.1m.stock.s}",
         "{ray.argument.1m.jt.s} / {ray.result.1m.jt.s}", "{ray.argument.1m.ratio} / {ray.result.1m.ratio}"),
     Row("Ray, steady state: 1 GiB task argument / result",
