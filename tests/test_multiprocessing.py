@@ -900,3 +900,25 @@ def _echo_both(q, r, conn) -> None:
         r.put(x)
         conn.send(conn.recv())
         del x
+
+
+def test_a_packet_with_no_arrays_is_still_validated():
+    """The short path of a message with nothing in shared memory (Note [a message with no
+    arrays]) refuses what the general path refuses: a pickle that is not bytes, an owner that is
+    not the sender, as a TransportError that says the message is lost."""
+    import pickle
+
+    from jaxtransport._errors import TransportError
+    from jaxtransport.multiprocessing import _sharing
+
+    key = (os.getpid(), b"12345678")
+    good = pickle.dumps((_sharing.MAGIC, key, pickle.dumps([1, "a"]), (), (), None, (0, ()), 0, (key,), ()))
+    assert _sharing.decode(good, [], "device") == [1, "a"]
+    assert _sharing.decode(good, [], "device", raw=True) == pickle.dumps([1, "a"])
+    for bad in (
+        (_sharing.MAGIC, key, 123, (), (), None, (0, ()), 0, (key,), ()),
+        (_sharing.MAGIC, key, b"\x80\x05K\x01.", (), (), None, (0, ()), 0, ((1, b"other"),), ()),
+        (_sharing.MAGIC, key, b"\x80\x05K\x01.", (), (), None, (0, ()), 0, (), ()),
+    ):
+        with pytest.raises(TransportError, match="Corrupt message"):
+            _sharing.decode(pickle.dumps(bad), [], "device")

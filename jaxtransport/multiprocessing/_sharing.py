@@ -718,11 +718,12 @@ def commit(prep, timeout: float | None = None) -> Outgoing:
 # naming no segment, no slot and no fd, and only unpickles it and reads the sender's list of live
 # segments (a receiver must still unmap what the sender dropped). Both ends still write the
 # releases of arrays this process received and dropped, as every message did before: a
-# consumer that answers with small messages gives its senders their memory back as it goes. Measured in one process on
-# 2 cores, an int put and got: 129 us before these paths (prepare 30, commit 21, send 15, take
-# 26, decode 35), against 12 us for the stock SimpleQueue; the round trip between two
-# processes was 1.7x the stock Queue's. Plain data skips the routed pickler too (Note [plain
-# data] in ``_wire``): an int's put and get in one process then took 21 us.
+# consumer that answers with small messages gives its senders their memory back as it goes.
+# Measured in one process on 2 cores, an int put and got: 129 us before these paths (prepare
+# 30, commit 21, send 15, take 26, decode 35), against 12 us for the stock SimpleQueue; the
+# round trip between two processes was 1.7x the stock Queue's. Plain data skips the routed
+# pickler too (Note [plain data] in ``_wire``): an int's put and get in one process then took
+# 21 us.
 
 
 def packet_max() -> int:
@@ -946,9 +947,17 @@ def _flush_at_exit(ref) -> None:
     answer goes (its put writes the releases it sees), and the release thread dies with the
     process. Its senders would then get that memory back only once they run short of it (a
     dead receiver's lease counts as released then). Tries for at most EXIT_FLUSH_S while
-    received arrays look alive (arrays the process still holds at exit keep it that long)."""
+    received arrays look alive (arrays the process still holds at exit keep it that long). In
+    child processes only (see below)."""
     c = ref()
     if c is None or c.pid != os.getpid():
+        return
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        # The main process runs this from atexit, after JAX's own exit handlers (registered
+        # later, run first): no jaxlib call then. A child exits through multiprocessing's
+        # bootstrap, which runs this before anything is torn down.
         return
     deadline = time.monotonic() + EXIT_FLUSH_S
     while True:
@@ -1065,6 +1074,8 @@ def _parse(packet: bytes) -> tuple:
     if not (entries or segs or where or bundled) and blob is None:  # Note [a message with no arrays]
         if len(owners) != 1 or (int(owners[0][0]), bytes(owners[0][1])) != key:
             raise ValueError("the owner is not the sender")
+        if type(data) is not bytes:
+            raise ValueError(f"the message's pickle is a {type(data).__name__}, not bytes")
         return data, (), (), None, live, 0, (key,), ()
     owners = tuple((int(k[0]), bytes(k[1])) for k in owners)
     if not owners or owners[0] != key:
