@@ -238,22 +238,17 @@ _PLAIN_ITEMS = 16
 
 def plain_pickle(obj: Any, threshold: int) -> bytes | None:
     """The pickle of ``obj`` if it is plain data (Note [plain data]), else None."""
-    t = type(obj)
-    if t in _PLAIN:
-        return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-    if t is tuple or t is list:
-        if len(obj) > _PLAIN_ITEMS:
-            return None
-        for x in obj:
-            tx = type(x)
-            if tx in _PLAIN:
-                continue
-            if tx is not np.ndarray or x.dtype.hasobject or x.nbytes >= threshold:
-                return None
-        return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-    if t is np.ndarray and not obj.dtype.hasobject and obj.nbytes < threshold:
+    if _plain(obj, threshold) or (
+        type(obj) in (tuple, list) and len(obj) <= _PLAIN_ITEMS and all(_plain(x, threshold) for x in obj)
+    ):
         return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
     return None
+
+
+def _plain(x: Any, threshold: int) -> bool:
+    """A builtin scalar, string or bytes, or a numpy array (no objects) under ``threshold``."""
+    t = type(x)
+    return t in _PLAIN or (t is np.ndarray and not x.dtype.hasobject and x.nbytes < threshold)
 
 
 def _mentions_main(data: bytes) -> bool:
