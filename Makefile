@@ -1,7 +1,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install -q
+# .ci/dev.txt: constraints on this virtualenv (what only slows the suite is held back there).
+DEV_CONSTRAINTS := .ci/dev.txt
+PIP := $(PY) -m pip install -q -c $(DEV_CONSTRAINTS)
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
 # Ray, joblib and diskcache, the Atari games (gymnasium's and envpool's) and the test and plotting tools (the whole suite runs); `make bench` adds Ray, joblib,
@@ -66,30 +68,30 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml $(DEV_CONSTRAINTS) | $(PY)
 	$(PIP) -e '.[ray,test,ecosystem,atari,envpool,docs,joblib]'
 	$(COMPILE)
 	touch $(STAMP)
 
-$(DEMO_STAMP): pyproject.toml | $(PY)
+$(DEMO_STAMP): pyproject.toml $(DEV_CONSTRAINTS) | $(PY)
 	$(PIP) -e .
 	$(COMPILE)
 	touch $(DEMO_STAMP)
 
 # PyPI's torch wheel pulls in CUDA (gigabytes); the CPU wheel comes from PyTorch's index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-$(BENCH_STAMP): pyproject.toml | $(PY)
+$(BENCH_STAMP): pyproject.toml $(DEV_CONSTRAINTS) | $(PY)
 	$(PIP) --extra-index-url $(TORCH_INDEX) -e '.[ray,bench,joblib]'
 	$(COMPILE)
 	touch $(BENCH_STAMP)
 
 # mypy checks against what `make test` installs (Ray, the extras): what it sees, and so which
 # `type: ignore` comments are needed, must not depend on which target ran first.
-$(LINT_STAMP): pyproject.toml | $(PY)
+$(LINT_STAMP): pyproject.toml $(DEV_CONSTRAINTS) | $(PY)
 	$(PIP) -e '.[ray,test,ecosystem,atari,envpool,docs,joblib,lint]'
 	touch $(LINT_STAMP)
 
-$(DOCS_STAMP): pyproject.toml | $(PY)
+$(DOCS_STAMP): pyproject.toml $(DEV_CONSTRAINTS) | $(PY)
 	$(PIP) -e '.[ray,joblib,docs]'
 	touch $(DOCS_STAMP)
 
