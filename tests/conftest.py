@@ -170,6 +170,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every test that needs Ray is slow too (a Ray cluster starts in seconds, its tasks and
     actors in more): ``make test`` leaves them out, ``make test-slow`` and CI run them.
@@ -186,7 +187,10 @@ def pytest_collection_modifyitems(config, items):
     after ``test_memory_is_recycled_and_the_producer_does_not_grow``, without the test between
     them, fails its first put: issue 49's note). The tests marked ``ray``, whatever their file,
     are one group of their own: they share one session-scoped Ray cluster and the two-node
-    cluster test, one Ray cluster at a time on the machine, as without xdist."""
+    cluster test, one Ray cluster at a time on the machine, as without xdist. pytest-xdist
+    writes the group into each test's node id (``name@group``); under pytest 9.2 it cannot,
+    and the groups silently fell apart (.ci/tools.txt holds pytest below 9.2;
+    ``tests/test_leak_check.py::test_each_file_is_one_xdist_group`` checks)."""
     for item in items:
         if item.get_closest_marker("ray") is not None:
             if item.get_closest_marker("slow") is None:

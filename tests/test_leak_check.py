@@ -108,3 +108,16 @@ def test_the_checker_by_names():
     }
     assert shm_leaks(set(), after, me) == {f"{OWN_SHM_PREFIXES[0]}_seg_123", f"joblib_memmapping_folder_{me}_abc_def"}
     assert shm_leaks(after, after, me) == set()  # only new entries count
+
+
+def test_each_file_is_one_xdist_group(request):
+    """Note [parallel test processes]: under ``--dist loadgroup`` (the make targets) every test
+    of a file runs in one test process, one after another. pytest-xdist says so by the group's
+    name after an ``@`` in the node id; pytest 9.2 ignores the id pytest-xdist 3.8.0 writes,
+    and the groups then silently fall apart (.ci/tools.txt)."""
+    if getattr(request.config, "workerinput", None) is None or not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not run by the make targets' test processes (pytest-xdist, --dist loadgroup)")
+    assert request.node.nodeid.endswith("@" + request.node.path.name), (
+        f"{request.node.nodeid}: its file is not an xdist group; is pytest newer than pytest-xdist "
+        "supports (.ci/tools.txt)?"
+    )
