@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # .ci/dev.txt: constraints on this virtualenv (what only slows the suite is held back there).
 # .ci/tools.txt: constraints on the test tools, for every virtualenv here.
-DEV_CONSTRAINTS := .ci/dev.txt .ci/tools.txt
+TOOLS_CONSTRAINTS := .ci/tools.txt
+DEV_CONSTRAINTS := .ci/dev.txt $(TOOLS_CONSTRAINTS)
 PIP := $(PY) -m pip install -q $(addprefix -c ,$(DEV_CONSTRAINTS))
 # One virtualenv, filled by what each command needs (a stamp per set of extras, redone when
 # pyproject.toml changes): `make demo` installs jaxtransport with JAX only; `make test` adds
@@ -100,12 +101,12 @@ venv: $(STAMP)
 
 # $(1): venv dir, $(2): python, $(3): constraints file
 define range_venv
-$(1)/.installed: pyproject.toml $(3) .ci/tools.txt
+$(1)/.installed: pyproject.toml $(3) $(TOOLS_CONSTRAINTS)
 	@test -n "$(2)" || { echo "no Python for $(1): set $(4)=/path/to/python"; exit 1; }
 	rm -rf $(1)
 	$(2) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q -c $(3) -c .ci/tools.txt -e '.[ray,test]'
+	$(1)/bin/python -m pip install -q -c $(3) -c $(TOOLS_CONSTRAINTS) -e '.[ray,test]'
 	$(1)/bin/python -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|numpy|ml.dtypes|cloudpickle|ray) '
 	touch $(1)/.installed
 endef

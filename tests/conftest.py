@@ -199,6 +199,7 @@ def pytest_collection_modifyitems(config, items):
         else:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 
+
 def pytest_collection_finish(session):
     """Note [objects frozen after collection]
     ``no_leaks`` runs a full garbage collection after every test. A test process that has
