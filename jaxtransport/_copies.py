@@ -100,3 +100,16 @@ def copy_bytes(src: np.ndarray, dst: np.ndarray) -> None:
             f.result()
     finally:
         settle(landing)
+
+
+def copy_landing(src: np.ndarray, dst: np.ndarray, groups: int, landed: Any) -> None:
+    """:func:`copy_bytes` of two flat uint8 arrays in ``groups`` consecutive parts, calling
+    ``landed(upto)`` after each part but the last: ``dst[:upto]`` holds its bytes (Note [a
+    result put while it lands] in ``_codec``)."""
+    n = src.nbytes
+    step = max(-(-n // max(groups, 1)), 1)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        copy_bytes(src[lo:hi], dst[lo:hi])
+        if hi < n:
+            landed(hi)

@@ -570,6 +570,7 @@ def commit(
     peer: Mapper | None = None,
     adopt: Callable[[Any, Any], tuple[tuple, Handle | None] | None] | None = None,
     copied: Callable[[Any, tuple, Handle], None] | None = None,
+    landing: Callable[[int, tuple, int], None] | None = None,
 ) -> Encoded:
     """Phase 2: copy each set-aside array once into a slot of ``arena`` (one reference held by
     ``borrower``), or name the peer's slot when it already lives there, or (``adopt``, a
@@ -577,8 +578,12 @@ def commit(
     already in shared memory (None: copy it): ``handle`` a slot it booked in ``arena`` for
     ``borrower`` (Note [forwarded slots] in ``_shm``), released with the others on error, or
     None for memory whose books are the caller's (a queue's leases, given back by the caller).
-    ``copied(x, entry, handle)`` is told of each jax.Array copied. Cost: one memcpy per array
-    copied. On error, every slot taken so far is released."""
+    ``copied(x, entry, handle)`` is told of each jax.Array copied. ``landing(index, entry,
+    upto)`` is told, as a one-buffer host array of ``_codec.LANDING_MIN`` bytes and up (of a
+    type that goes to a device in pieces: ``_codec.PIECEWISE``) is copied
+    in ``_codec.LANDING_GROUPS`` parts, that the first ``upto`` bytes of entry ``index`` have
+    landed in its slot (Note [a result put while it lands] in ``_codec``). Cost: one memcpy per
+    array copied. On error, every slot taken so far is released."""
     entries: list[tuple] = []
     handles: list[tuple] = []
     segs: set[int] = set()
@@ -620,9 +625,25 @@ def commit(
                 handle, dst = arena.alloc(max(total, 1), borrower, wait)  # type: ignore[union-attr]
                 handles.append(handle)
                 handle = Handle._make(handle)
-                for (off, n), b in zip(layout, bufs):
-                    _codec.copy_into(b, dst[off : off + n])
                 entry = ("jax", tuple(meta), tuple(layout), tuple(handle))
+                if (
+                    landing is not None
+                    and len(bufs) == 1
+                    and isinstance(bufs[0], np.ndarray)
+                    and bufs[0].flags.c_contiguous
+                    and layout[0][1] >= _codec.LANDING_MIN
+                    and str(bufs[0].dtype) in _codec.PIECEWISE  # the others go to a device whole
+                ):
+                    index, n = len(entries), layout[0][1]
+                    _copies.copy_landing(
+                        bufs[0].reshape(-1).view(np.uint8),
+                        dst[:n],
+                        _codec.LANDING_GROUPS,
+                        lambda upto, index=index, entry=entry: landing(index, entry, upto),
+                    )
+                else:
+                    for (off, n), b in zip(layout, bufs):
+                        _codec.copy_into(b, dst[off : off + n])
                 entries.append(entry)
                 if copied is not None:
                     copied(x, entry, handle)
@@ -810,7 +831,9 @@ class Held:
         return _unpickle(self.data, self.placement, (make() for make in self.makers))  # type: ignore[union-attr]
 
 
-def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | None) -> tuple[list, list]:
+def _hold(
+    entries: list, mapper: Mapper, own: Callable | None, unheld: list | None, made: dict | None = None
+) -> tuple[list, list]:
     """Every entry parsed and its holder created (validating every handle), so a bad entry fails
     the whole object and the good slots are released with their holders. On failure the indices
     of entries whose slot this process never held (the sender still counts them) are appended to
@@ -829,7 +852,9 @@ def _hold(entries: list, mapper: Mapper, own: Callable | None, unheld: list | No
                     )
                 holder = own(rec.handle)
             else:
-                holder = mapper.holder(rec.handle)  # type: ignore[union-attr]
+                holder = made.pop(rec.handle, None) if made else None  # type: ignore[union-attr]
+                if holder is None:
+                    holder = mapper.holder(rec.handle)  # type: ignore[union-attr]
             parsed.append(rec)
             holders.append(holder)
     except BaseException:
@@ -868,14 +893,16 @@ def decode(
     trees: Callable | None = None,
     readonly: bool = False,
     unheld: list | None = None,
+    made: dict | None = None,
 ) -> Any:
     """Rebuild what ``prepare`` and ``commit`` made (once: ``Held`` rebuilds any number of times). Every entry
     is parsed and its holder created first (validating every handle), so a bad entry fails the
     whole object and the good slots are released with their holders. On failure the indices of
     entries whose slot this process never held (the sender still counts them) are appended to
     ``unheld``; nothing refers to a holder after the call, so the slots go back without waiting
-    for the cyclic garbage collector."""
-    parsed, holders = _hold(entries, mapper, own, unheld)
+    for the cyclic garbage collector. ``made``: holders already made for some of the slots, by
+    handle (each used once: Note [a result put while it lands] in ``_codec``)."""
+    parsed, holders = _hold(entries, mapper, own, unheld, made)
     try:
         return _unpickle(
             data,

@@ -271,6 +271,34 @@ def test_pool_arguments_and_results_both_ways(device, pool):
         assert _platform(got) == device.platform and _same_bytes(got, want)
 
 
+def _bits_array(dtype, n, seed):
+    import jax.numpy as _jnp
+
+    return _jnp.asarray(_bits(dtype, (n,), seed))
+
+
+def test_large_results_go_on_the_device_while_the_worker_copies_them(device, pool, monkeypatch):
+    # Note [a result put while it lands] (_codec): every type that goes to a device in pieces,
+    # random bits (NaN payloads, subnormals), bit-exact; the manager put pieces early.
+    from jaxtransport import _codec
+
+    early = []
+    put_landed = _codec.put_landed
+
+    def counted(pieces, cache):
+        early.append(len(pieces))
+        put_landed(pieces, cache)
+
+    monkeypatch.setattr(_codec, "put_landed", counted)
+    for k, dtype in enumerate(sorted(_codec.PIECEWISE)):
+        n = (_codec.LANDING_MIN + 5 * MiB) // _np_dtype(dtype).itemsize + k
+        before = len(early)
+        got = pool.apply(_bits_array, (dtype, n, k))
+        assert _platform(got) == device.platform and _same_bytes(got, _bits(dtype, (n,), k)), dtype
+        assert len(early) > before, f"{dtype}: nothing was put while the worker copied it"
+        del got
+
+
 def test_executor_both_ways(device):
     with jt.Executor(2) as ex:
         x = jax.device_put(_bits("bfloat16", (2048, 4096), seed=3), device)

@@ -117,6 +117,52 @@ class Books(Protocol):
 STALL_CHECK_S = 0.01
 
 
+class Landed:
+    """What the manager put of one chunk's result while the worker copied it (Note [a result
+    put while it lands] in ``_codec``): the holders of its slots, made early and kept until the
+    result's decode takes them (dropped sooner, they would let the worker reuse a slot the
+    result still names), the device pieces by host piece, and how far each entry's pieces are
+    put."""
+
+    __slots__ = ("cache", "failed", "holders", "parts")
+
+    def __init__(self) -> None:
+        self.holders: dict = {}  # Handle -> holder (``_wire.decode``'s ``made``)
+        self.cache: dict = {}  # ``_codec.put_landed``'s
+        self.parts: dict = {}  # entry position -> [host pieces, next piece, its first byte]
+        self.failed = False
+
+    def put(self, mapper, msg: _protocol.Landing) -> None:
+        from .. import _codec, _entries
+
+        part = self.parts.get(msg.position)
+        if part is None:
+            if _codec._default_platform() == "cpu":  # the decode aliases the slot: nothing to overlap
+                self.failed = True
+                return
+            rec = _entries.parse_entry(msg.entry)
+            if type(rec) is not _entries.JaxEntry or len(rec.layout) != 1:
+                raise CorruptTransferError("Corrupt message: a landing names no one-buffer array")
+            (off, n), handle = rec.layout[0], rec.handle
+            if off < 0 or n < 0 or off + n > handle.nbytes:
+                raise CorruptTransferError(f"Corrupt message: a landing's buffer lies outside {handle!r}")
+            holder = self.holders.get(handle)
+            if holder is None:
+                holder = self.holders[handle] = mapper.holder(handle)
+            import numpy as np
+
+            raw = np.frombuffer(holder, np.uint8, count=handle.nbytes)
+            part = self.parts[msg.position] = [_codec.landing_pieces(rec.meta, raw[off : off + n]), 0, 0]
+        pieces, i, start = part
+        j, end = i, start
+        while j < len(pieces) and end + pieces[j].nbytes <= msg.upto:
+            end += pieces[j].nbytes
+            j += 1
+        if j > i:
+            _codec.put_landed(pieces[i:j], self.cache)
+            part[1], part[2] = j, end
+
+
 class Manager:
     def __init__(self, engine: Books):
         self.engine = engine
@@ -384,8 +430,18 @@ class Manager:
     def decode(self, w: WorkerRec, msg: _protocol.Result) -> tuple[bool, Any]:
         """(ok, the value or the exception) of a result with shared-memory entries or an error."""
         engine = self.engine
+        landed = w.landing.pop(msg.chunk_id, None) if w.landing else None
+        if landed is not None:
+            w.landing.clear()  # (no other chunk's can be left: one runs at a time)
         if msg.ok:
             try:
+                if msg.entries and landed is not None:
+                    from .. import _codec  # imported by the landing already
+
+                    with _codec.landed(landed.cache):
+                        own, made = engine.own_holder, landed.holders
+                        value = _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=own, made=made)
+                    return True, value
                 if msg.entries:
                     return True, _wire.decode(msg.data, msg.entries, w.mapper, engine.placement, own=engine.own_holder)
                 return True, _wire.loads(msg.data, engine.placement)  # nothing in shared memory: the pickle alone
@@ -418,6 +474,26 @@ class Manager:
 
     def on_forget(self, w: WorkerRec, msg: _protocol.Forget) -> None:
         w.mapper.forget(msg.seg_ids)
+
+    def on_landing(self, w: WorkerRec, msg: _protocol.Landing) -> None:
+        """Part of a large result is in the worker's slot: put its pieces on this process's
+        device now, while the worker copies the rest (Note [a result put while it lands] in
+        ``_codec``). Nothing here fails a task: a landing that cannot be used (a bad entry, no
+        accelerator, no device memory) only loses the overlap, and the result's decode does the
+        rest and validates everything, as without a landing."""
+        if self.engine.placement != "device":
+            return
+        landed = w.landing.get(msg.chunk_id)
+        if landed is None:
+            w.landing.clear()
+            landed = w.landing[msg.chunk_id] = Landed()
+        if landed.failed:
+            return
+        try:
+            landed.put(w.mapper, msg)
+        except Exception:  # noqa: BLE001 - the decode puts it all, and says what is wrong
+            landed.failed = True
+            landed.cache.clear()
 
     def on_ready(self, w: WorkerRec, msg: _protocol.Ready) -> None:
         engine = self.engine
@@ -455,6 +531,7 @@ class Manager:
         _protocol.Ready: on_ready,
         _protocol.Leaving: on_leaving,
         _protocol.Garbled: on_garbled,
+        _protocol.Landing: on_landing,
     }
 
     def retire(self, w: WorkerRec, why: str) -> None:

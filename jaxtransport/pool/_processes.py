@@ -34,6 +34,7 @@ class WorkerRec:
         "held_back",
         "index",
         "key",
+        "landing",
         "mapper",
         "maxtasks",
         "outstanding",
@@ -87,6 +88,9 @@ class WorkerRec:
         # After a take-back: the last seq taken; nothing new goes to it until it shows it runs
         # (any message from it, or its cell[3] reaching this). 0: not held back.
         self.held_back = 0
+        # Parts of a large result put on the parent's device while the worker copies the rest,
+        # by chunk id (Note [a result put while it lands] in ``_codec``; ``_manager.Landed``).
+        self.landing: dict = {}
 
     def started_chunk(self) -> int:
         """The id of the chunk the worker started last (-1: none yet). Read after it died, it
@@ -147,6 +151,7 @@ def adopt(started, index: int, serial: int, maxtasks: int | None) -> WorkerRec:
 def close_worker(w: WorkerRec) -> None:
     """Release everything the parent holds for a worker that is gone (idempotent)."""
     w.dead = True
+    w.landing.clear()  # its slots' early holders: the worker and its slots are gone
     _quietly(w.sender.close)
     _shm.collect_deferred()  # jaxlib's deferred decrefs: its arrays' slots release now
     _quietly(w.mapper.close)

@@ -14,6 +14,8 @@ parent -> worker                                  worker -> parent
 ``Release``     slots of the worker it dropped    ``Forget``    its segments the parent may unmap
 ``Forget``      segments the worker may unmap     ``Leaving``   it exits (maxtasksperchild)
 ``Stop``        exit now                          ``Garbled``   it received a malformed message
+                                                  ``Landing``   part of a large result is in its
+                                                                slot, the rest still copying
 
 Which task a worker is running is not a message: it writes the chunk id into a shared cell
 before it starts a chunk (Note [started] in ``_worker``), which the parent reads when it dies.
@@ -48,6 +50,7 @@ __all__ = [
     "ErrorReport",
     "Forget",
     "Garbled",
+    "Landing",
     "Leaving",
     "Ready",
     "Release",
@@ -199,6 +202,25 @@ class Result(NamedTuple):
         return m._replace(releases=parse_handles(releases), unheld=_ints(unheld, "unheld entries"))
 
 
+class Landing(NamedTuple):
+    """The first ``upto`` bytes of entry ``position`` (``entry``, as it will be in the result) of
+    the chunk's result have landed in the worker's slot; the rest is still being copied (Note
+    [a result put while it lands] in ``_codec``). The entry itself is validated where it is
+    used, as the result's are."""
+
+    chunk_id: int
+    position: int
+    entry: tuple
+    upto: int
+
+    @classmethod
+    def check(cls, m):
+        _int(m.chunk_id, "chunk id"), _int(m.position, "entry position"), _int(m.upto, "bytes landed")
+        if not isinstance(m.entry, tuple):
+            raise _bad(f"landing.entry must be a tuple, got {type(m.entry).__name__}")
+        return m
+
+
 class Leaving(NamedTuple):
     @classmethod
     def check(cls, m):
@@ -230,9 +252,10 @@ KIND_OF: dict[type, str] = {
     Result: "result",
     Leaving: "leaving",
     Garbled: "garbled",
+    Landing: "landing",
 }
 TO_WORKER = {KIND_OF[c]: c for c in (Task, DefineTree, DropTree, Release, Forget, Stop)}
-TO_PARENT = {KIND_OF[c]: c for c in (Ready, Result, Release, Forget, Leaving, Garbled)}
+TO_PARENT = {KIND_OF[c]: c for c in (Ready, Result, Release, Forget, Leaving, Garbled, Landing)}
 
 
 # Note [bulk bytes after the pickle]

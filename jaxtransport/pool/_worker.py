@@ -453,7 +453,7 @@ class _Worker:
         seconds = time.perf_counter() - start
         self._wait_start = None
         if ok:
-            ok, data, entries, segs = self.encode_results(out)
+            ok, data, entries, segs = self.encode_results(out, chunk_id)
         else:
             data, entries, segs = out, [], ()
         del out
@@ -468,10 +468,11 @@ class _Worker:
         releases = [tuple(h) for h in rel] if rel else []
         self.send_raw(self.protocol.result(chunk_id, ok, data, entries, releases, unheld, seconds))
 
-    def encode_results(self, out: list):
+    def encode_results(self, out: list, chunk_id: int):
         """(ok, data, entries, segments) of a chunk's results (Note [results travel as arguments
         do]): one that cloudpickle cannot pickle either fails with MaybeEncodingError (a Pool's),
-        or with the pickling error itself (an Executor's, as concurrent.futures)."""
+        or with the pickling error itself (an Executor's, as concurrent.futures). Under placement
+        "device", a large array says how far it has landed as it is copied (``_landing``)."""
         if {type(r) for r in out} <= _SCALARS:  # a small task's: nothing to route or to look up
             return True, pickle.dumps(out, protocol=self.protocol.PICKLE_PROTOCOL), [], ()
         try:
@@ -487,11 +488,27 @@ class _Worker:
             return True, prep.data, [], ()
         try:
             enc = self.wire.commit(
-                prep, arena=self.arena, borrower="parent", wait=self.wait_for_release, peer=self.mapper
+                prep,
+                arena=self.arena,
+                borrower="parent",
+                wait=self.wait_for_release,
+                peer=self.mapper,
+                landing=self._landing(chunk_id) if self.cfg.placement == "device" else None,
             )
         except BaseException as e:  # noqa: BLE001
             return False, _pack_error(e, note="while sending the task's result back to the parent"), [], ()
         return True, enc.data, enc.entries, enc.segs
+
+    def _landing(self, chunk_id: int):
+        """``commit``'s ``landing``: tell the parent that part of a result's array is in its
+        slot (the segment's fd first), so that it starts putting that part on its device while
+        the rest is copied (Note [a result put while it lands] in ``_codec``)."""
+
+        def landed(index: int, entry: tuple, upto: int) -> None:
+            self.send_fds((entry[3][0],))
+            self.send(self.protocol.Landing(chunk_id, index, entry, upto))
+
+        return landed
 
     # Note [results travel as arguments do]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
