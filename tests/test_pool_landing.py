@@ -129,14 +129,6 @@ def same(got, want: np.ndarray) -> bool:
     return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_landings():
-    yield
-    from jaxtransport._codec import _landed
-
-    assert not getattr(_landed, "cache", None)
-
-
 # --------------------------------------------------------------------------------------------
 # through the Pool
 

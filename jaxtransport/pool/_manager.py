@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+
 from .. import _os, _shm, _wire
 from .._errors import CorruptTransferError, PoolStateError, RemoteTraceback, TransportError, WorkerLostError
 from .._shm import Handle
@@ -149,8 +151,6 @@ class Landed:
             holder = self.holders.get(handle)
             if holder is None:
                 holder = self.holders[handle] = mapper.holder(handle)
-            import numpy as np
-
             raw = np.frombuffer(holder, np.uint8, count=handle.nbytes)
             part = self.parts[msg.position] = [_codec.landing_pieces(rec.meta, raw[off : off + n]), 0, 0]
         pieces, i, start = part
