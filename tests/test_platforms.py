@@ -22,7 +22,7 @@ import pytest
 
 from jaxtransport import _os
 
-from .conftest import ROOT, alive, run_python, shm_entries, wait_until
+from .conftest import ROOT, alive, run_python, shm_entries, shm_leaks, wait_until
 
 SIM_DIR = os.path.join(ROOT, "tests", "platforms")
 
@@ -121,7 +121,7 @@ def test_a_posix_segment_leaves_no_name_and_is_sized_once():
     )
     proc = run_python(code, env={"JAXTRANSPORT_PLATFORM": "portable"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
-    assert shm_entries() == before
+    assert not shm_leaks(before, shm_entries())
 
 
 def _stream_pair():
@@ -256,7 +256,7 @@ def test_pool_executor_and_queues_on_the_simulated_mac(tmp_path, method):
     proc = _run_round_trip(tmp_path, method, _simulated("macos"))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
     assert "WARNINGS 0" in proc.stdout and "SEGMENTS posix" in proc.stdout
-    assert shm_entries() == before
+    assert not shm_leaks(before, shm_entries())
 
 
 def test_pool_executor_and_queues_in_band_warn_once_with_the_reason(tmp_path):
@@ -264,7 +264,7 @@ def test_pool_executor_and_queues_in_band_warn_once_with_the_reason(tmp_path):
     proc = _run_round_trip(tmp_path, "spawn", _simulated("windows"))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
     assert "WARNINGS 1" in proc.stdout and "cannot pass file descriptors" in proc.stdout
-    assert shm_entries() == before
+    assert not shm_leaks(before, shm_entries())
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -275,7 +275,7 @@ def test_pool_executor_and_queues_on_the_windows_pipes_by_the_switch(tmp_path, m
     proc = _run_round_trip(tmp_path, method, {"JAXTRANSPORT_PLATFORM": "inband"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
     assert "WARNINGS 1" in proc.stdout and "JAXTRANSPORT_PLATFORM=inband is set" in proc.stdout
-    assert shm_entries() == before
+    assert not shm_leaks(before, shm_entries())
 
 
 def test_on_the_simulated_windows_a_busy_worker_follows_its_killed_parent():
