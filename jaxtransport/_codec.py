@@ -779,10 +779,7 @@ def _assemble(meta: ArrayMeta, buffers: Sequence[Any], dtype: np.dtype, aligned:
     if not meta.indices:
         return _typed(buffers[0], dtype, meta.shape)
     if aligned:
-        n = math.prod(meta.shape) * dtype.itemsize
-        raw = np.empty(n + 64, np.uint8)
-        start = -raw.ctypes.data % 64
-        out = raw[start : start + n].view(dtype).reshape(meta.shape)
+        out = _copies.aligned_empty(meta.shape, dtype)
     else:
         out = np.empty(meta.shape, dtype)
     for idx, buf in zip(meta.indices, buffers):

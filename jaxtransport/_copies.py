@@ -55,6 +55,20 @@ def copiers() -> Any:
         return _pool
 
 
+def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts at an ``align``-byte boundary. JAX's CPU client
+    aliases a host array only when its data is 64-byte aligned and copies it otherwise, and
+    numpy's large allocations start 16 bytes past a page (glibc's chunk header): an array made
+    here goes into a jitted call or ``device_put`` without that copy. On a TPU v5e host one
+    acting step of the rollouts demo (``_conv.act`` on 8 stacked Atari frames, one core) took
+    0.27 ms from an aligned array and 0.65-0.7 ms from one 16 or 48 bytes past a boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
 def threads() -> int:
     """How many copy threads this process has (or would have)."""
     return COPY_THREADS if COPY_THREADS is not None else min(8, _os.cpu_count() - 1)

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _copies
+
 STACK = 4
 FRAME_SKIP = 4
 NOOP_MAX = 30
@@ -100,7 +102,12 @@ class Rollouts:
                 return conv.act(params, obs, key, np.int32(t))
 
         e, s = self.spec.envs, self.spec.frame_size
-        frames = np.empty((steps, e, STACK, s, s), np.uint8)
+        # Acting reads each step's observations from the trajectory's frames, 64-byte aligned
+        # (JAX's CPU client copies an unaligned argument: _copies.aligned_empty), or from one
+        # aligned buffer where a step's frames do not start on a boundary (a frame size that is
+        # not a multiple of 4).
+        frames = _copies.aligned_empty((steps, e, STACK, s, s), np.uint8)
+        spare = None if frames[0].nbytes % 64 == 0 else _copies.aligned_empty(frames.shape[1:], np.uint8)
         actions = np.empty((steps, e), np.int32)
         logp = np.empty((steps, e), np.float32)
         rewards = np.empty((steps, e), np.float32)
@@ -113,8 +120,10 @@ class Rollouts:
         obs = self._obs
         for t in range(steps):
             frames[t] = obs
+            if spare is not None:
+                spare[...] = obs
             a0 = time.perf_counter()
-            a, lp = act(obs, t)
+            a, lp = act(frames[t] if spare is None else spare, t)
             actions[t] = np.asarray(a)
             logp[t] = np.asarray(lp)
             act_s += time.perf_counter() - a0
@@ -149,7 +158,7 @@ class Rollouts:
         episodes' returns are not kept: a rollout after this one reports them from 0."""
         rng = np.random.default_rng((seed, self.index))
         acts = rng.integers(0, self.actions, (steps, self.spec.envs), dtype=np.int32)
-        frames = np.empty((steps, *self._obs.shape), np.uint8)
+        frames = _copies.aligned_empty((steps, *self._obs.shape), np.uint8)  # as a rollout's
         start = time.perf_counter()
         for t in range(steps):
             frames[t] = self._obs

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from .. import _copies
 from .._procenv import NO_PREALLOCATION, apply_environ, environ_overlay
 from . import _atari as atari
 from . import _cpus as cpus_budget
@@ -685,6 +686,7 @@ class CentralInference:
         try:
             key = jax.random.fold_in(jax.random.key(self._seed), 104_729)
             calls = 0
+            frames = None
             while not self._stopping.is_set():
                 try:
                     batch = [self.requests.get(timeout=0.2)]
@@ -698,8 +700,11 @@ class CentralInference:
                 self._ready.wait()
                 obs = [np.asarray(o) for _, o in batch]
                 envs = obs[0].shape[0]
-                frames = np.zeros((self.workers * envs, *obs[0].shape[1:]), obs[0].dtype)
-                frames[: len(obs) * envs] = np.concatenate(obs)
+                shape = (self.workers * envs, *obs[0].shape[1:])
+                if frames is None or frames.shape != shape or frames.dtype != obs[0].dtype:
+                    frames = _copies.aligned_empty(shape, obs[0].dtype)  # one compiled shape
+                    frames[...] = 0
+                np.concatenate(obs, out=frames[: len(obs) * envs])
                 a, lp = conv.act(self._params, frames, key, np.int32(calls))
                 calls += 1
                 a, lp = jax.device_get((a, lp))  # both transfers at once, one wait
