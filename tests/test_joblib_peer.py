@@ -91,7 +91,12 @@ SHARDS = 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shard", range(SHARDS), ids=lambda i: f"shard{i}of{SHARDS}")
+# Each shard is a fresh interpreter sharing nothing with the others: a test process of its own
+# (Note [parallel test processes]), so that the shards run side by side.
+@pytest.mark.parametrize(
+    "shard", [pytest.param(i, marks=pytest.mark.xdist_group(f"joblib-peer-{i}")) for i in range(SHARDS)],
+    ids=lambda i: f"shard{i}of{SHARDS}",
+)
 def test_joblib_test_parallel_on_the_jaxtransport_backend(tmp_path, shard):
     proc, xml = _run_joblib_tests(
         tmp_path, "joblib_peer_plugin", "test_parallel", timeout=1500, shard=f"{shard}/{SHARDS}"

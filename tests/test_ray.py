@@ -323,6 +323,7 @@ def _worker_buffer_huge_kib(nbytes):
     return huge_pages_kib(x.unsafe_buffer_pointer())
 
 
+@pytest.mark.ray
 def test_ray_worker_jax_buffers_get_huge_pages(registered):
     """The runtime_env's tunable reaches the worker at exec: its large JAX buffers are backed by
     transparent huge pages, as numpy's are, so results copy into the object store as fast."""
