@@ -629,14 +629,12 @@ def _engines() -> None:
                 FIGURES[f"{key}.waiting"] = F("rollouts_engines_tpu", "waiting_share", "pct", **where)
                 FIGURES[f"{key}.stepping"] = F("rollouts_engines_tpu", "stepping_share", "pct", **where)
     # 12 actors only: the jaxtransport queue with --max-lag 2 (a second rollout of slack);
-    # rollouts_engines_tpu_repeat.json, a second run of the queue's two rows and the limit, the
-    # same code on a fresh machine; rollouts_engines_tpu_runs.json, two more runs on one machine
-    # (--repeat 2: each row names its run) of the queue's row, the stock queue's and the limit.
+    # rollouts_engines_tpu_runs.json, two more runs on one machine (--repeat 2: each row names
+    # its run) of the queue's row, the stock queue's and the limit.
     lag2 = ("queue/jaxtransport --max-lag 2", "queue_jt_lag2")
     queue_jt, queue_stock = ("queue/jaxtransport", "queue_jt"), ("queue/stock", "queue_stock")
     limit = ("limit", "limit")
-    sets = [("rollouts_engines_tpu", "tpu_engines", (lag2,), {}),
-            ("rollouts_engines_tpu_repeat", "tpu_engines_repeat", (queue_jt, lag2, limit), {})]
+    sets = [("rollouts_engines_tpu", "tpu_engines", (lag2,), {})]
     sets += [("rollouts_engines_tpu_runs", f"tpu_engines_runs.{k}", (queue_jt, queue_stock, limit), {"run": k})
              for k in (1, 2)]
     for file, prefix, rows, run in sets:
@@ -653,6 +651,11 @@ def _engines() -> None:
         lambda share, steps: share * per_step / steps, "ms")
     FIGURES["tpu_engines.12.envpool.limit.step_ms"] = Derived(
         ("tpu_engines.12.envpool.limit.steps",), lambda steps: per_step / steps, "ms")
+    # The slowest queue actor's acting time per step at 12 actors (the row's act_ms_per_step).
+    where = {"name": "rollouts-engines-pong", "actors": 12, "engine": "envpool", "backend": "queue/jaxtransport"}
+    FIGURES["tpu_engines.12.envpool.queue_jt.act_ms_raw"] = F("rollouts_engines_tpu", "act_ms_per_step", "raw", **where)
+    FIGURES["tpu_engines.12.envpool.queue_jt.act_ms"] = Derived(
+        ("tpu_engines.12.envpool.queue_jt.act_ms_raw",), lambda ms: ms / 1e3, "ms")
 
 
 def _learning() -> None:
