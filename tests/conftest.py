@@ -187,11 +187,13 @@ def pytest_collection_modifyitems(config, items):
     after ``test_memory_is_recycled_and_the_producer_does_not_grow``, without the test between
     them, fails its first put: issue 49's note). The tests marked ``ray``, whatever their file,
     are one group of their own: they share one session-scoped Ray cluster and the two-node
-    cluster test, one Ray cluster at a time on the machine, as without xdist; a test that starts
-    a Ray of its own in a fresh interpreter and shares nothing with the others may name a group
-    of its own (``pytest.mark.xdist_group``), so that it runs beside them, as may a test of
-    another file that runs in a fresh interpreter and shares nothing with the file's other tests
-    (the shards of joblib's own suite). pytest-xdist
+    cluster test, one Ray cluster at a time on the machine, as without xdist (a plain
+    ``ray.init()``, as the demo's, joins the machine's latest cluster: with another test's Ray
+    beside it, test_cli_ray_end_to_end took 180 s against 49, most likely waiting for that
+    cluster's CPUs). A test without Ray that runs in a fresh
+    interpreter and shares nothing with its file's other tests may name an xdist group of its
+    own (``pytest.mark.xdist_group``), so that it runs beside them: the shards of joblib's own
+    suite. pytest-xdist
     writes the group into each test's node id (``name@group``); under pytest 9.2 it cannot,
     and the groups silently fell apart (.ci/tools.txt holds pytest below 9.2;
     ``tests/test_leak_check.py::test_each_file_is_one_xdist_group`` checks)."""
@@ -199,8 +201,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("ray") is not None:
             if item.get_closest_marker("slow") is None:
                 item.add_marker(pytest.mark.slow)
-            if item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group("ray"))
         elif item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 

@@ -94,7 +94,7 @@ import ray
 from tests import nested_tasks
 
 if __name__ == "__main__":
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True,
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
              runtime_env={{"env_vars": {{"JAX_PLATFORMS": "cpu", "PYTHONPATH": {root!r}}}}})
     try:
         task = ray.remote(num_cpus=1)(nested_tasks.every_face)
@@ -107,7 +107,6 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.xdist_group("ray-nested")  # a Ray of its own (address="local"), beside the shared one
 def test_every_face_starts_inside_a_ray_task():
     pytest.importorskip("ray")
     seen, out = _run(RAY.format(root=ROOT, methods=START_METHODS))
