@@ -22,7 +22,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport._errors import PoolTerminatedError, WorkerLostError
 
-from .conftest import ROOT, alive, child_pids, popen_interruptible, shm_entries, shm_leaks, wait_until
+from .conftest import ROOT, alive, popen_interruptible, shm_entries, shm_leaks, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
