@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import _os
+from ._shm import ALIGN
 
 COPY_THREADS: int | None = None  # None: one fewer than the cores this process may use, at most 8
 PARALLEL_MIN = 32 << 20
@@ -55,11 +56,12 @@ def copiers() -> Any:
         return _pool
 
 
-def aligned_empty(shape: tuple, dtype: Any, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts at an ``align``-byte boundary. JAX's CPU client
-    aliases a host array only when its data is 64-byte aligned and copies it otherwise, and
-    numpy's large allocations start 16 bytes past a page (glibc's chunk header): an array made
-    here goes into a jitted call or ``device_put`` without that copy. On a TPU v5e host one
+def aligned_empty(shape: tuple, dtype: Any, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised array whose data starts at an ``align``-byte boundary (``ALIGN``, where
+    arrays land in shared memory, by default). JAX's CPU client aliases a host array only when
+    its data is 64-byte aligned and copies it otherwise, and numpy's large allocations start 16
+    bytes past a page (glibc's chunk header): an array made here goes into a jitted call or
+    ``device_put`` without that copy. On a TPU v5e host one
     acting step of the rollouts demo (``_conv.act`` on 8 stacked Atari frames, one core) took
     0.27 ms from an aligned array and 0.65-0.7 ms from one 16 or 48 bytes past a boundary."""
     dtype = np.dtype(dtype)

@@ -107,7 +107,7 @@ class Rollouts:
         # aligned buffer where a step's frames do not start on a boundary (a frame size that is
         # not a multiple of 4).
         frames = _copies.aligned_empty((steps, e, STACK, s, s), np.uint8)
-        spare = None if frames[0].nbytes % 64 == 0 else _copies.aligned_empty(frames.shape[1:], np.uint8)
+        spare = None if frames[0].nbytes % _copies.ALIGN == 0 else _copies.aligned_empty(frames.shape[1:], np.uint8)
         actions = np.empty((steps, e), np.int32)
         logp = np.empty((steps, e), np.float32)
         rewards = np.empty((steps, e), np.float32)
