@@ -32,7 +32,11 @@ from typing import Any
 import numpy as np
 
 from . import _os
-from ._shm import ALIGN
+
+# The boundary every array's data starts on where this package allocates it: slots in shared
+# memory (``_shm``) and fresh buffers (:func:`aligned_empty`). Defined here, not in ``_shm``, so
+# that the codec, which uses it, works where shared memory does not and never imports ``_shm``.
+ALIGN = 64
 
 COPY_THREADS: int | None = None  # None: one fewer than the cores this process may use, at most 8
 PARALLEL_MIN = 32 << 20

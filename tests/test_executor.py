@@ -38,6 +38,17 @@ def pid(_=None):
     return os.getpid()
 
 
+def wait_for_file(path, value):
+    """Returns ``value`` once ``path`` exists (the test makes it when it may): a task that ends
+    after another, however slowly the other's worker starts on a loaded machine."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+    return value
+
+
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -67,7 +78,7 @@ def test_submit_map_and_futures_helpers(executor):
     assert asyncio.run(main()) == [0, 1, 4, 9, 16]
 
 
-def test_futures_are_stock_futures_whose_waits_park_on_a_c_lock():
+def test_futures_are_stock_futures_whose_waits_park_on_a_c_lock(tmp_path):
     """The futures (Note [waits a Ctrl-C cannot break] in jaxtransport/_lockorder.py) are
     concurrent.futures.Futures with the stock one's attributes, which concurrent.futures.wait
     and as_completed use, and their lock is a C RLock (no Python ``__enter__`` a Ctrl-C could
@@ -78,13 +89,15 @@ def test_futures_are_stock_futures_whose_waits_park_on_a_c_lock():
 
     stock = cf.Future()
     with jt.Executor(2) as ex:
-        slow = ex.submit(nap, 1.0)
+        go = tmp_path / "go"
+        slow = ex.submit(wait_for_file, str(go), 1.0)  # ends only after quick (below)
         assert isinstance(slow, cf.Future) and set(vars(slow)) == set(vars(stock))
         assert type(slow._condition).__enter__ is type(threading.RLock()).__enter__
         assert isinstance(slow._condition, _lockorder.Condition)
         quick = ex.submit(square, 3)
         done, _ = cf.wait([slow, quick], timeout=60, return_when=cf.FIRST_COMPLETED)
-        assert quick in done and quick.result() == 9
+        go.touch()  # before the check, so that a failing check does not leave slow running
+        assert done == {quick} and quick.result() == 9
         assert [f.result() for f in cf.as_completed([slow], timeout=60)] == [1.0]
         with pytest.raises(cf.TimeoutError):
             ex.submit(nap, 0.3).result(timeout=0.05)

@@ -6,6 +6,7 @@ import mmap
 from typing import Any, NamedTuple
 
 from .. import _os
+from .._copies import ALIGN
 from .._errors import ShmHandleError
 
 __all__ = [
@@ -22,7 +23,6 @@ __all__ = [
 ]
 
 PAGE = mmap.PAGESIZE
-ALIGN = 64
 SLAB = 2 << 20  # size classes below this share a segment of this size
 # The default shm_threshold of Pool, Queue and Pipe: arrays of at least this many bytes travel
 # through shared memory, smaller ones inside the pickle.
