@@ -372,9 +372,9 @@ def test_submit_from_an_atexit_hook_raises_runtime_error(tmp_path):
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_max_workers_must_be_positive_as_concurrent_futures(bad):
-    with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):
+    with pytest.raises(ValueError, match=r"^max_workers must be greater than 0$"):
         cf.ProcessPoolExecutor(bad)
-    with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):
+    with pytest.raises(ValueError, match=r"^max_workers must be greater than 0$"):
         jt.Executor(bad)
     with pytest.raises(ValueError, match="max_tasks_per_child must be >= 1"):
         jt.Executor(1, max_tasks_per_child=bad)
