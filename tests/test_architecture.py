@@ -187,7 +187,8 @@ def test_the_shared_layer_imports_nothing_above_it():
 
 def test_the_lower_layers_import_nothing_above_them():
     """``_os`` (the OS facilities) imports only the error types and itself; ``_shm`` (shared
-    memory) only ``_os``, the leaf modules below the codec, and itself; ``_devices`` (who holds
+    memory) only ``_os``, the leaf modules below the codec (``_copies`` for the boundary arrays
+    start on, which the codec needs without shared memory), and itself; ``_devices`` (who holds
     which accelerator) only ``_os``, the errors and the JAX compatibility module. So a
     platform's path, and a worker's devices, are chosen below everything that uses them."""
     allowed = {
@@ -198,6 +199,7 @@ def test_the_lower_layers_import_nothing_above_them():
             "jaxtransport._lockorder",
             "jaxtransport._nojax",
             "jaxtransport._compat",
+            "jaxtransport._copies",
             "jaxtransport._os",
         },
     }
