@@ -1,4 +1,5 @@
-"""The threads that copy large buffers into shared memory, where a host has cores to spare.
+"""The threads that copy large buffers into shared memory, where a host has cores to spare; the
+boundary (``ALIGN``) arrays start on, and buffers made on it (:func:`aligned_empty`).
 
 Note [copies into a slot in threads]
 Two copies into a slot were bound by one thread on a TPU v5e host (13 cores, 256 MiB):
