@@ -190,11 +190,10 @@ def pytest_collection_modifyitems(config, items):
     cluster test, one Ray cluster at a time on the machine, as without xdist (a plain
     ``ray.init()``, as the demo's, joins the machine's latest cluster: with another test's Ray
     beside it, test_cli_ray_end_to_end took 180 s against 49, most likely waiting for that
-    cluster's CPUs). A test without Ray that runs in a fresh
-    interpreter and shares nothing with its file's other tests may name an xdist group of its
-    own (``pytest.mark.xdist_group``), so that it runs beside them: the shards of joblib's own
-    suite. pytest-xdist
-    writes the group into each test's node id (``name@group``); under pytest 9.2 it cannot,
+    cluster's CPUs). A test without Ray that runs in a fresh interpreter and shares nothing with
+    its file's other tests may name an xdist group of its own (``pytest.mark.xdist_group``), so
+    that it runs beside them: the shards of joblib's own suite. pytest-xdist writes the group
+    into each test's node id (``name@group``); under pytest 9.2 it cannot,
     and the groups silently fell apart (.ci/tools.txt holds pytest below 9.2;
     ``tests/test_leak_check.py::test_each_file_is_one_xdist_group`` checks)."""
     for item in items:

@@ -16,6 +16,8 @@ import pytest
 import jaxtransport as jt
 from jaxtransport.pool import shutdown_reusable_executor
 
+from .conftest import wait_until
+
 
 def square(x):
     return x * x
@@ -41,11 +43,8 @@ def pid(_=None):
 def wait_for_file(path, value):
     """Returns ``value`` once ``path`` exists (the test makes it when it may): a task that ends
     after another, however slowly the other's worker starts on a loaded machine."""
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
+    if not wait_until(lambda: os.path.exists(path), timeout=120, interval=0.01):
+        raise TimeoutError(f"{path} never appeared")
     return value
 
 

@@ -702,7 +702,9 @@ class CentralInference:
                 envs = obs[0].shape[0]
                 shape = (self.workers * envs, *obs[0].shape[1:])
                 if frames is None or frames.shape != shape or frames.dtype != obs[0].dtype:
-                    frames = _copies.aligned_empty(shape, obs[0].dtype)  # one compiled shape
+                    # One compiled shape for every batch; the rows past a batch's actors are
+                    # not answered (zeros, or an earlier batch's frames).
+                    frames = _copies.aligned_empty(shape, obs[0].dtype)
                     frames[...] = 0
                 np.concatenate(obs, out=frames[: len(obs) * envs])
                 a, lp = conv.act(self._params, frames, key, np.int32(calls))
