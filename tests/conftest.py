@@ -169,6 +169,32 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
     return predicate()
 
 
+def pid_once_all_started(marks: str, i: int, n: int) -> int:
+    """A pool task: its worker's pid, returned once ``n`` such tasks have started (each leaves
+    a file in the folder ``marks``), or after 60 s."""
+    open(os.path.join(marks, str(i)), "w").close()
+    wait_until(lambda: len(os.listdir(marks)) >= n, 60, 0.01)
+    return os.getpid()
+
+
+def worker_pids(pool, n: int = 2) -> list[int]:
+    """The pids of a pool's ``n`` workers, once all of them run tasks. ``n`` tasks that each end
+    only when all have started cannot share a worker, however late one worker starts on a loaded
+    machine (two tasks that merely slept could: the first worker idle, the Pool takes the late
+    worker's unstarted task back and gives it to the first)."""
+    import shutil
+    import tempfile
+
+    marks = tempfile.mkdtemp(prefix="jaxtransport-test-pids-")
+    try:
+        rs = [pool.apply_async(pid_once_all_started, (marks, i, n)) for i in range(n)]
+        pids = sorted({r.get(120) for r in rs})
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+    assert len(pids) == n, f"{n} tasks that wait for each other ran on {len(pids)} workers"
+    return pids
+
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):

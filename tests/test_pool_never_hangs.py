@@ -18,7 +18,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport import CorruptTransferError, PoolStateError, ShmCapacityError
 
-from .conftest import wait_until
+from .conftest import wait_until, worker_pids
 
 pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
@@ -39,17 +39,9 @@ def total(x):
     return float(x.sum())
 
 
-def both_pids(p) -> list[int]:
-    """The pids of a Pool(2)'s workers, once both run (two tasks at once land on two workers)."""
-    rs = [p.apply_async(pid_after, (0.5,)) for _ in range(2)]
-    pids = sorted({r.get(60) for r in rs})
-    assert len(pids) == 2
-    return pids
-
-
 def test_quick_tasks_beside_a_long_one_are_not_stuck_behind_it(start_method):
     with jt.Pool(2, start_method=start_method) as p:
-        both_pids(p)
+        worker_pids(p)
         long = p.apply_async(pid_after, (8.0,))
         time.sleep(0.2)  # the long task is running on one worker
         start = time.monotonic()
@@ -61,7 +53,7 @@ def test_quick_tasks_beside_a_long_one_are_not_stuck_behind_it(start_method):
 
 def test_a_stopped_worker_stalls_only_itself(start_method):
     with jt.Pool(2, start_method=start_method) as p:
-        stopped, _other = both_pids(p)
+        stopped, _other = worker_pids(p)
         os.kill(stopped, signal.SIGSTOP)
         try:
             quick = [p.apply_async(total, (ARG,)) for _ in range(20)]

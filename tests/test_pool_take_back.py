@@ -16,7 +16,7 @@ import pytest
 
 import jaxtransport as jt
 
-from .conftest import wait_until
+from .conftest import wait_until, worker_pids
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,18 +50,11 @@ def pid_after(seconds: float) -> int:
     return os.getpid()
 
 
-def both_pids(p) -> list[int]:
-    rs = [p.apply_async(pid_after, (0.5,)) for _ in range(2)]
-    pids = sorted({r.get(60) for r in rs})
-    assert len(pids) == 2
-    return pids
-
-
 def test_idle_stopped_worker_gives_its_tasks_to_the_other(start_method, tmp_path):
     log = str(tmp_path / "runs")
     p = jt.Pool(2, start_method=start_method)
     try:
-        stopped, other = both_pids(p)
+        stopped, other = worker_pids(p)
         os.kill(stopped, signal.SIGSTOP)
         try:
             start = time.monotonic()
@@ -92,7 +85,7 @@ def test_a_started_chunk_stays_with_its_stopped_worker(start_method, tmp_path):
     log = str(tmp_path / "runs")
     p = jt.Pool(2, start_method=start_method)
     try:
-        both_pids(p)
+        worker_pids(p)
         long = p.apply_async(logged, (log, 100, 3.0))
         assert wait_until(lambda: runs(log), 30)
         ((_, busy),) = runs(log)
@@ -126,7 +119,7 @@ def test_stop_and_continue_at_random_never_runs_a_task_twice(start_method, tmp_p
     n = 300
     p = jt.Pool(2, start_method=start_method)
     try:
-        pids = both_pids(p)
+        pids = worker_pids(p)
         rs = []
         for i in range(n):
             rs.append(p.apply_async(logged, (log, i, rng.choice((0.0, 0.0, 0.002)))))
@@ -152,7 +145,7 @@ def test_maxtasksperchild_counts_only_tasks_run(start_method, tmp_path):
     # Chunks taken back do not count toward the stopped worker's maxtasksperchild.
     log = str(tmp_path / "runs")
     with jt.Pool(2, start_method=start_method, maxtasksperchild=3) as p:
-        stopped, _other = both_pids(p)
+        stopped, _other = worker_pids(p)
         os.kill(stopped, signal.SIGSTOP)
         try:
             rs = [p.apply_async(logged, (log, i)) for i in range(12)]
