@@ -118,6 +118,35 @@ def popen_interruptible(args, **kwargs) -> subprocess.Popen:
         signal.signal(signal.SIGINT, old)
 
 
+# What CPython prints when a KeyboardInterrupt is raised inside JAX's gc callback: it discards
+# exceptions raised in gc callbacks, so that Ctrl-C is lost (jax-ml/jax#18246).
+JAX_LOST_INTERRUPT = "Exception ignored in: <function _xla_gc_callback"
+
+
+def interrupt(proc: subprocess.Popen, stderr_path: str, timeout: float = 30.0) -> int:
+    """Ctrl-C ``proc`` (SIGINT) and wait for it to exit; returns its exit code.
+
+    A SIGINT that arrives while JAX's garbage-collection callback runs is printed as
+    ``JAX_LOST_INTERRUPT`` and lost: not jaxtransport's to answer, and a user presses Ctrl-C
+    again. So does this, once for each such line in ``stderr_path`` (the child's stderr, a
+    file). Any other interrupt left unanswered is a ``subprocess.TimeoutExpired``."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    sent = 1
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise
+        with open(stderr_path, errors="replace") as f:
+            if f.read().count(JAX_LOST_INTERRUPT) >= sent:
+                proc.send_signal(signal.SIGINT)
+                sent += 1
+
+
 def child_pids(parent: int | None = None) -> set[int]:
     """Live (non-zombie-reaped) children of ``parent`` read from /proc."""
     parent = os.getpid() if parent is None else parent

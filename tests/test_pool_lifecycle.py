@@ -22,7 +22,7 @@ import pytest
 import jaxtransport as jt
 from jaxtransport._errors import PoolTerminatedError, WorkerLostError
 
-from .conftest import ROOT, alive, popen_interruptible, shm_entries, shm_leaks, wait_until
+from .conftest import ROOT, alive, interrupt, popen_interruptible, shm_entries, shm_leaks, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,12 +167,12 @@ def _script_workers(proc, timeout=60):
         line = proc.stdout.readline()
         if line.startswith("PIDS"):
             return [int(x) for x in line.split()[1:]]
-    raise AssertionError(f"script did not report its workers: {proc.stderr.read()}")
+    raise AssertionError(f"script did not report its workers: {proc.stderr.read() if proc.stderr else ''}")
 
 
-def _spawn_script(code: str, **extra_env: str):
+def _spawn_script(code: str, stderr=subprocess.PIPE, **extra_env: str):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **extra_env)
-    return popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return popen_interruptible([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,
                                text=True, env=env)
 
 
@@ -205,7 +205,7 @@ print("PIDS", *sorted(set(pids)), flush=True)
     bounded(90)
 
 
-def test_sigint_in_parent_during_map(bounded):
+def test_sigint_in_parent_during_map(bounded, tmp_path):
     shm_before = shm_entries()
     code = """
 import os, time, jax.numpy as jnp, jaxtransport as jt
@@ -218,13 +218,19 @@ except KeyboardInterrupt:
     print("INTERRUPTED", flush=True)
     raise
 """
-    proc = _spawn_script(code)
-    pids = _script_workers(proc)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(30)
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        proc = _spawn_script(code, stderr=stderr)
+    try:
+        pids = _script_workers(proc)
+        time.sleep(1.0)
+        rc = interrupt(proc, str(err))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     out = proc.stdout.read()
-    assert "INTERRUPTED" in out and rc != 0
+    assert "INTERRUPTED" in out and rc != 0, out + err.read_text()
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 10)
     assert not _pool_like(shm_entries() - shm_before)  # nothing left in /dev/shm
     bounded(90)

@@ -508,18 +508,19 @@ def test_killed_worker_stops_the_loop_with_an_error_not_a_hang():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_demo_and_its_workers():
-    import signal
+def test_ctrl_c_stops_the_demo_and_its_workers(tmp_path):
     import time
 
-    from .conftest import child_pids, popen_interruptible, wait_until
+    from .conftest import child_pids, interrupt, popen_interruptible, wait_until
 
     environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     args = [a if a != "2" else "500" for a in TINY]  # --iterations 500: still running
-    proc = popen_interruptible(
-        [sys.executable, "-m", "jaxtransport.rollouts", *args],
-        env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        proc = popen_interruptible(
+            [sys.executable, "-m", "jaxtransport.rollouts", *args],
+            env=environ, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+        )
     try:
         deadline = time.monotonic() + 120
         for line in proc.stdout:
@@ -528,15 +529,13 @@ def test_ctrl_c_stops_the_demo_and_its_workers():
             assert time.monotonic() < deadline
         workers = child_pids(proc.pid)
         assert workers, "the demo should be running worker processes"
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
-        assert "interrupted" in proc.stderr.read()
+        assert interrupt(proc, str(err), timeout=60) == 130
+        assert "interrupted" in err.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        proc.stderr.close()
 
     def gone():
         return not any(os.path.exists(f"/proc/{pid}") for pid in workers)
