@@ -22,6 +22,14 @@ import pytest
 # a thread takes two of the package's locks against their written order fails (no_leaks).
 os.environ.setdefault("JAXTRANSPORT_CHECK_LOCKS", "1")
 
+# Ray starts its worker processes at niceness 15 (its worker_niceness setting). On a machine
+# whose cores are all busy (CI's 2 cores under 3 test processes, with another suite beside) a
+# niceness-15 worker gets a few percent of a core from the scheduler: importing JAX took it over
+# a minute, and Ray tests that start a worker took about 100 s against 2 s on an idle machine.
+# Every Ray this suite starts (the fixtures, the fresh interpreters it runs, the demo) inherits
+# this: its workers run at the tests' own niceness. Nothing here depends on the niceness.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 SHM = "/dev/shm"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -551,44 +551,45 @@ class Unregistered:
         return jnp.arange(n, dtype=jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def unregistered(ray_local):
+    """One ``Unregistered`` actor for the module's tests: each new actor is a worker process
+    to start (Ray, JAX and this module imported), the most of such a test's time."""
+    actor = Unregistered.remote()
+    yield actor
+    ray.kill(actor)
+
+
 def _default_path_warnings(record):
     return [w for w in record if issubclass(w.category, jr.RayDefaultSerializationWarning)]
 
 
 @pytest.mark.ray
-def test_a_result_through_rays_default_path_warns_once_naming_the_fix(registered, monkeypatch):
+def test_a_result_through_rays_default_path_warns_once_naming_the_fix(registered, unregistered, monkeypatch):
     monkeypatch.setattr(jr, "_default_path_warned", False)
-    actor = Unregistered.remote()
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            y = ray.get(actor.make.remote(1000))
-            np.testing.assert_array_equal(np.asarray(y), np.arange(1000, dtype=np.float32))
-            (w,) = _default_path_warnings(record)
-            msg = str(w.message)
-            assert "Ray's default serialization" in msg and "jaxtransport.ray.init(" in msg
-            assert "runtime_env=jaxtransport.ray.runtime_env(" in msg
-            assert w.filename == __file__, "the warning should point at the caller's ray.get"
-            # Once per process: neither another array nor a key array warns again.
-            ray.get(actor.make.remote(10))
-            ray.get(actor.make.remote(3, key=True))
-            assert len(_default_path_warnings(record)) == 1
-    finally:
-        ray.kill(actor)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        y = ray.get(unregistered.make.remote(1000))
+        np.testing.assert_array_equal(np.asarray(y), np.arange(1000, dtype=np.float32))
+        (w,) = _default_path_warnings(record)
+        msg = str(w.message)
+        assert "Ray's default serialization" in msg and "jaxtransport.ray.init(" in msg
+        assert "runtime_env=jaxtransport.ray.runtime_env(" in msg
+        assert w.filename == __file__, "the warning should point at the caller's ray.get"
+        # Once per process: neither another array nor a key array warns again.
+        ray.get(unregistered.make.remote(10))
+        ray.get(unregistered.make.remote(3, key=True))
+        assert len(_default_path_warnings(record)) == 1
 
 
 @pytest.mark.ray
-def test_default_path_warning_covers_key_arrays(registered, monkeypatch):
+def test_default_path_warning_covers_key_arrays(registered, unregistered, monkeypatch):
     monkeypatch.setattr(jr, "_default_path_warned", False)
-    actor = Unregistered.remote()
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            got = ray.get(actor.make.remote(3, key=True))
-        assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
-        assert len(_default_path_warnings(record)) == 1
-    finally:
-        ray.kill(actor)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = ray.get(unregistered.make.remote(3, key=True))
+    assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
+    assert len(_default_path_warnings(record)) == 1
 
 
 @pytest.mark.ray
