@@ -327,7 +327,7 @@ def test_donated_array_error():
 
 def test_bad_placement():
     data, bufs = jt.dumps(jnp.ones(2))
-    with pytest.raises(jt.PlacementError, match="'device'.*'host'.*'preserve'"):
+    with pytest.raises(jt.PlacementError, match=r"'device'.*'host'.*'preserve'"):
         jt.loads(data, bufs, placement="gpu")
     with pytest.raises(jt.PlacementError):
         jt.register(placement="nowhere")

@@ -84,7 +84,7 @@ def test_shards_that_do_not_cover_the_shape_are_rejected(placement):
     # Two of four (2, 2) tiles of a (4, 4) array: the rest would be uninitialised memory.
     tiles = (((0, 2), (0, 2)), ((2, 4), (2, 4)))
     data, bufs = craft(meta("int32", (4, 4), tiles), np.ones(4, np.int32), np.ones(4, np.int32))
-    with pytest.raises(jt.CorruptTransferError, match="do not tile shape \\(4, 4\\).*uninitialised"):
+    with pytest.raises(jt.CorruptTransferError, match=r"do not tile shape \(4, 4\).*uninitialised"):
         jt.loads(data, bufs, placement=placement)
 
 

@@ -131,7 +131,7 @@ def test_arena_reserve_serves_the_first_alloc_and_respects_the_cap():
         t.join()
         assert arena.segments_created == 1
         arena.release(h, "a")
-        with pytest.raises(ShmCapacityError, match="shm_reserve=.*does not fit"):
+        with pytest.raises(ShmCapacityError, match=r"shm_reserve=.*does not fit"):
             arena.reserve(128 * MIB)
     finally:
         arena.close()
@@ -186,7 +186,7 @@ def test_shm_reserve_validated(bad):
 
 
 def test_shm_reserve_beyond_capacity_is_refused_before_any_worker_starts():
-    with pytest.raises(ValueError, match="shm_reserve asks for .* more than shm_capacity"):
+    with pytest.raises(ValueError, match=r"shm_reserve asks for .* more than shm_capacity"):
         jt.Pool(1, shm_reserve=64 * MIB, shm_capacity=16 * MIB)
     gc.collect()
 

@@ -108,7 +108,7 @@ def test_reader_accepts_older_versions_and_refuses_newer_ones_by_name():
         y = _codec.decode(tuple(meta._replace(version=version)), buffers)
         assert np.asarray(y).tobytes() == np.asarray(x).tobytes()
     newer = tuple(meta._replace(version=_codec.FORMAT_VERSION + 1))
-    with pytest.raises(jt.UnsupportedArrayError, match="newer jaxtransport release.*Upgrade"):
+    with pytest.raises(jt.UnsupportedArrayError, match=r"newer jaxtransport release.*Upgrade"):
         _codec.decode(newer, buffers)
     with pytest.raises(jt.UnsupportedArrayError, match="newer"):
         _codec.decoder(newer, buffers)()

@@ -104,7 +104,7 @@ def test_raise_mode_raises_before_taking_the_lock(checker):
         _lockorder.enable(raise_at_once=True)
         inner, outer = _lockorder.lock("Lifecycle.lock"), _lockorder.lock("Sender.cond")
         with inner:
-            with pytest.raises(LockOrderError, match="'Sender.cond' taken while holding 'Lifecycle.lock'"):
+            with pytest.raises(LockOrderError, match=r"'Sender\.cond' taken while holding 'Lifecycle\.lock'"):
                 outer.acquire()
         assert not outer.locked()
     finally:

@@ -320,7 +320,7 @@ def test_tracer_fails_fast_with_path_before_any_shared_memory(pool):
 
 
 def test_fork_is_refused_and_arguments_validated():
-    with pytest.raises(ValueError, match="fork.*deadlock"):
+    with pytest.raises(ValueError, match=r"fork.*deadlock"):
         jt.Pool(1, start_method="fork")
     with pytest.raises(ValueError):
         jt.Pool(0)

@@ -115,7 +115,7 @@ def test_worker_death_mid_task_raises_and_pool_recovers(how, bounded):
             os.kill(w.pid, signal.SIGKILL)
         else:
             r = p.apply_async(lambda x: os._exit(7), (jnp.ones(4096),))
-        with pytest.raises(WorkerLostError, match="SIGKILL|code 7") as info:
+        with pytest.raises(WorkerLostError, match=r"SIGKILL|code 7") as info:
             r.get(30)
         from concurrent.futures.process import BrokenProcessPool
 

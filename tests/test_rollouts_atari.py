@@ -55,7 +55,7 @@ def test_game_names():
     assert atari.game_id("pong") == "ALE/Pong-v5"
     assert atari.game_id("space_invaders") == "ALE/SpaceInvaders-v5"
     assert atari.game_id("ALE/Breakout-v5") == "ALE/Breakout-v5"
-    with pytest.raises(ValueError, match="--env 'nosuchgame'.*pong"):
+    with pytest.raises(ValueError, match=r"--env 'nosuchgame'.*pong"):
         atari.game_id("nosuchgame")
 
 

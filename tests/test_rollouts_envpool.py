@@ -153,9 +153,9 @@ def test_central_inference_through_jaxtransport_queues():
 
 
 def test_central_inference_is_the_queue_backends():
-    with pytest.raises(ValueError, match="--inference learner .* runs with --backend queue"):
+    with pytest.raises(ValueError, match=r"--inference learner .* runs with --backend queue"):
         _tiny("threads", inference="learner").validate()
-    with pytest.raises(ValueError, match="--inference learner .* runs with --backend queue"):
+    with pytest.raises(ValueError, match=r"--inference learner .* runs with --backend queue"):
         rollouts.Config(backend="queue", inference="learner").validate()
 
 
@@ -218,7 +218,7 @@ def test_rows_picked_by_name_and_runs_repeated_have_their_own_verdicts():
     from benchmarks import rollouts_engines as bench
 
     assert bench._runs("queue/jaxtransport --max-lag 2, threads") == (bench.RUNS[0], bench.RUNS[2])
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown row .*queue/jt.*choose from threads"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown row .*queue/jt.*choose from threads"):
         bench._runs("queue/jt")
     rows = [{"actors": 12, "load": "0.0-0.0", "run": k, "transport": f"envpool {b}", "backend": b,
              "env_steps_per_s": v} for k, jt in ((1, 170.0), (2, 150.0))

@@ -80,7 +80,7 @@ def test_capacity_error_eviction_and_wait():
     arena = _shm.Arena(8 << 20)
     h1, _ = arena.alloc(3 << 20, "a")
     h2, _ = arena.alloc(3 << 20, "a")
-    with pytest.raises(ShmCapacityError, match="shm_capacity=.*is reached") as info:
+    with pytest.raises(ShmCapacityError, match=r"shm_capacity=.*is reached") as info:
         arena.alloc(3 << 20, "a")
     assert "bytes" in str(info.value) and "Fixes" in str(info.value)
     with pytest.raises(ShmCapacityError, match="larger than shm_capacity"):
