@@ -79,14 +79,22 @@ def plus_one(i):
 
 
 # -- the chaos
+# Children this process had before the test began: not the rounds' workers, so never chaos
+# victims nor leaks. An earlier test in the same xdist worker may have left some by design: the
+# session-scoped Ray cluster of test_ray (its gcs_server, raylet and agents) lives until the
+# session ends, and the ray group's worker takes other files once that group is done.
+FOREIGN: set[int] = set()
+
+
 def worker_pids() -> set[int]:
     """Pool workers of this process: its children, and the forkserver's (forkserver workers
-    are children of the forkserver), without multiprocessing's own helper processes."""
+    are children of the forkserver), without multiprocessing's own helper processes and the
+    children that were there before the test (FOREIGN)."""
     service = _service_pids()
     pids = child_pids() - service
     for s in service:
         pids |= child_pids(s)
-    return pids - service
+    return pids - service - FOREIGN
 
 
 class Chaos:
@@ -425,6 +433,8 @@ def test_stress_pool_and_executor_under_chaos(start_method, capsys):
         with capsys.disabled():
             print(f"\n[stress seed={seed}] {msg}", flush=True)
 
+    FOREIGN.clear()
+    FOREIGN.update(child_pids())
     # Warm up what multiprocessing keeps for the process (forkserver, resource tracker), so the
     # fd and thread baselines hold only what the rounds own.
     with jt.Pool(1, start_method=start_method) as p:
